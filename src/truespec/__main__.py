@@ -1,0 +1,5 @@
+import sys
+
+from truespec.entrypoints.cli import main
+
+sys.exit(main())

@@ -1,0 +1,135 @@
+"""The engine: validate and add requests, then step: schedule -> run -> postprocess."""
+
+import itertools
+
+import torch
+
+from truespec.config import EngineConfig
+from truespec.engine.block_manager import BlockManager
+from truespec.engine.cache_sizing import resolve_max_model_len, size_kv_pool
+from truespec.engine.model_runner import ModelRunner
+from truespec.engine.scheduler import Scheduler
+from truespec.engine.sequence import Sequence
+from truespec.engine.state_manager import StateManager
+from truespec.engine.stop_checker import StopChecker
+from truespec.models.loader import load_model
+from truespec.sampling_params import SamplingParams
+from truespec.tokenizer import load_tokenizer
+
+PromptType = str | dict
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = _resolve_device(config.device)
+        loaded = load_model(config.model, config.dtype, self.device)
+        self.hf_config, self.dtype, self.mtp_weights = loaded.hf_config, loaded.dtype, loaded.mtp_weights
+        self.tokenizer = load_tokenizer(config.tokenizer or config.model)
+        self.max_model_len = resolve_max_model_len(config, self.hf_config)
+        self.vocab_size = self.hf_config.vocab_size
+        self.runner = ModelRunner(loaded.model, self.device, self.dtype, config.seed)
+        num_blocks = size_kv_pool(config, self.runner, self.max_model_len, config.max_num_seqs)
+        self.state_manager = StateManager(num_groups=config.max_num_seqs, slots_per_group=1)
+        self.block_manager = BlockManager(num_blocks, config.block_size)
+        self.runner.allocate_caches(num_blocks, config.block_size, self.state_manager.num_slots)
+        self.scheduler = Scheduler(self.block_manager, self.state_manager, config.max_num_seqs,
+                                   config.max_num_batched_tokens)
+        self.stop_checker = StopChecker(self.tokenizer, self.hf_config, config.model)
+        self.seqs: dict[str, Sequence] = {}
+        self._ids = itertools.count()
+
+    # ---- requests ------------------------------------------------------------------------------
+    def make_sequence(self, prompt: PromptType, params: SamplingParams) -> Sequence:
+        """Validate one request and build its Sequence, without touching engine state."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        text, token_ids = self._tokenize(prompt)
+        if not token_ids:
+            raise ValueError("prompt is empty: it must contain at least one token")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(token_ids)} tokens, but max_model_len is "
+                             f"{self.max_model_len} (the prompt must leave room for one output token)")
+        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt_token_ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
+        max_output_len = self.max_model_len - len(token_ids)
+        if params.max_tokens is not None:
+            max_output_len = min(max_output_len, params.max_tokens)
+        return Sequence(f"{next(self._ids)}", text, token_ids, params, max_output_len)
+
+    def add_sequence(self, seq: Sequence) -> None:
+        self.seqs[seq.request_id] = seq
+        self.scheduler.add(seq)
+
+    def add_request(self, prompt: PromptType, params: SamplingParams) -> str:
+        seq = self.make_sequence(prompt, params)
+        self.add_sequence(seq)
+        return seq.request_id
+
+    def abort_request(self, request_id: str) -> None:
+        seq = self.seqs.pop(request_id, None)
+        if seq is not None and not seq.is_finished:
+            self.scheduler.finish(seq, "abort")
+            self.runner.release(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- the step loop ---------------------------------------------------------------------------
+    def step(self) -> list[Sequence]:
+        """Run one step; returns the requests that finished in it."""
+        out = self.scheduler.schedule()
+        if not out.scheduled:
+            return []
+        banned = [self.stop_checker.banned_token_ids(s.seq) for s in out.scheduled]
+        tokens = self.runner.execute(out.scheduled, self.block_manager, self.state_manager, banned)
+        finished = []
+        for s, token in zip(out.scheduled, tokens, strict=True):
+            s.seq.num_computed_tokens += s.num_new_tokens
+            s.seq.state_index = 0
+            if token is not None and self._append_token(s.seq, token):
+                finished.append(s.seq)
+        return finished
+
+    def _append_token(self, seq: Sequence, token: int) -> bool:
+        seq.output_token_ids.append(token)
+        reason = self.stop_checker.check(seq)
+        if reason is None:
+            return False
+        self.scheduler.finish(seq, reason)
+        self.runner.release(seq.request_id)
+        self.seqs.pop(seq.request_id, None)
+        return True
+
+    # ---- helpers ---------------------------------------------------------------------------------
+    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            ids = prompt["prompt_token_ids"]
+            if not isinstance(ids, list | tuple) or not all(isinstance(t, int) for t in ids):
+                raise ValueError("prompt_token_ids must be a list of ints")
+            return prompt.get("prompt"), list(ids)
+        if isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str):
+            return prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
+        raise ValueError("a prompt must be a string, {'prompt': str} or {'prompt_token_ids': [int, ...]}, "
+                         f"got {type(prompt).__name__}")
+
+    def cache_info(self) -> dict[str, int]:
+        return {
+            "block_size": self.block_manager.block_size,
+            "num_blocks": self.block_manager.num_blocks,
+            "num_free_blocks": self.block_manager.num_free_blocks,
+            "num_state_slots": self.state_manager.num_groups,
+            "num_free_state_slots": self.state_manager.num_free_groups,
+            "kv_bytes_per_token": self.runner.kv_bytes_per_token,
+        }
+
+
+def _resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device={device!r} but CUDA is not available on this machine")
+    return torch.device(device)

@@ -1,0 +1,117 @@
+"""Continuous batching with chunked prefill and preemption by recompute (pure Python, no torch).
+
+Each step gets a token budget (``max_num_batched_tokens``). Running requests go first, in arrival
+order: a decoding request takes 1 token, a request still prefilling takes the next chunk of its
+prompt. Then waiting requests are admitted while the budget, ``max_num_seqs``, KV blocks and state
+groups allow. When a running request cannot get the KV blocks it needs, the most recently admitted
+running request is preempted: its blocks and state group are freed and it restarts its prefill
+(prompt + output so far) later, so its output is unchanged.
+"""
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from truespec.engine.block_manager import BlockManager
+from truespec.engine.sequence import Sequence, SequenceStatus
+from truespec.engine.state_manager import StateManager
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    num_new_tokens: int
+
+    @property
+    def is_last_chunk(self) -> bool:
+        """True when this step computes up to the request's last token, so a new token is sampled."""
+        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, state_manager: StateManager, max_num_seqs: int,
+                 max_num_batched_tokens: int) -> None:
+        self.block_manager = block_manager
+        self.state_manager = state_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_uncomputed_tokens, budget)
+            if not self._make_room(seq, n, out):
+                continue  # seq itself was preempted (it was the last running one)
+            self.block_manager.allocate(seq, n)
+            out.scheduled.append(ScheduledSeq(seq, n))
+            budget -= n
+            i += 1
+        if not out.preempted:
+            self._admit(budget, out)
+        return out
+
+    def _make_room(self, seq: Sequence, num_new_tokens: int, out: SchedulerOutput) -> bool:
+        while not self.block_manager.can_allocate(seq, num_new_tokens):
+            victim = self.running[-1]
+            self.preempt(victim)
+            out.preempted.append(victim)
+            if victim is seq:
+                return False
+        return True
+
+    def _admit(self, budget: int, out: SchedulerOutput) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            n = min(seq.num_uncomputed_tokens, budget)
+            if not (self.state_manager.can_allocate() and self.block_manager.can_allocate(seq, n)):
+                break
+            self.waiting.popleft()
+            self.state_manager.allocate(seq)
+            self.block_manager.allocate(seq, n)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            out.scheduled.append(ScheduledSeq(seq, n))
+            budget -= n
+
+    def preempt(self, seq: Sequence) -> None:
+        """Free everything ``seq`` holds; it recomputes its prefill (prompt + output) later."""
+        self.running.remove(seq)
+        self._release(seq)
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Mark ``seq`` finished (or aborted) and return its blocks and state group."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self._release(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+
+    def _release(self, seq: Sequence) -> None:
+        self.block_manager.free(seq)
+        self.state_manager.free(seq)

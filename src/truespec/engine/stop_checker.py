@@ -1,0 +1,64 @@
+"""When a request stops: EOS, stop token ids, stop strings (on decoded text), max tokens, min tokens."""
+
+from pathlib import Path
+
+from transformers import GenerationConfig, PretrainedConfig, PreTrainedTokenizerBase
+
+from truespec.engine.sequence import Sequence
+
+
+class StopChecker:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, hf_config: PretrainedConfig, model_dir: str) -> None:
+        self.tokenizer = tokenizer
+        self.eos_token_ids = _eos_token_ids(tokenizer, hf_config, model_dir)
+
+    def banned_token_ids(self, seq: Sequence) -> list[int]:
+        """Tokens that may not be sampled yet: stop tokens and EOS while output < min_tokens."""
+        p = seq.params
+        if len(seq.output_token_ids) >= p.min_tokens:
+            return []
+        return sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids))
+
+    def check(self, seq: Sequence) -> str | None:
+        """After a token was appended: the finish reason, or None. Sets the output text when finished."""
+        p, token = seq.params, seq.output_token_ids[-1]
+        if len(seq.output_token_ids) >= p.min_tokens:
+            if not p.ignore_eos and token in self.eos_token_ids:
+                return self._finish(seq, "stop", None)
+            if token in p.stop_token_ids:
+                return self._finish(seq, "stop", token)
+            if p.stop and self._match_stop_string(seq):
+                return "stop"
+        if len(seq.output_token_ids) >= seq.max_output_len:
+            return self._finish(seq, "length", None)
+        return None
+
+    def _match_stop_string(self, seq: Sequence) -> bool:
+        text = self.decode(seq)
+        hits = [(text.find(s), s) for s in seq.params.stop if s in text]
+        if not hits:
+            return False
+        index, stop = min(hits)
+        end = index + len(stop) if seq.params.include_stop_str_in_output else index
+        seq.output_text, seq.stop_reason = text[:end], stop
+        return True
+
+    def _finish(self, seq: Sequence, reason: str, stop_reason: int | None) -> str:
+        seq.output_text, seq.stop_reason = self.decode(seq), stop_reason
+        return reason
+
+    def decode(self, seq: Sequence) -> str:
+        return self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=seq.params.skip_special_tokens)
+
+
+def _eos_token_ids(tokenizer: PreTrainedTokenizerBase, hf_config: PretrainedConfig, model_dir: str) -> set[int]:
+    ids: set[int] = set()
+    sources: list[object] = [getattr(hf_config, "eos_token_id", None), tokenizer.eos_token_id]
+    if (Path(model_dir) / "generation_config.json").is_file():
+        sources.append(GenerationConfig.from_pretrained(model_dir, local_files_only=True).eos_token_id)
+    for value in sources:
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, list | tuple):
+            ids.update(v for v in value if isinstance(v, int))
+    return ids

@@ -1,0 +1,40 @@
+"""Token sampling: greedy, temperature, top-k, top-p, min-p, with one generator per request.
+
+Each row is sampled by itself with its own generator, so a seeded request draws the same tokens
+whatever else is in the batch (invariant 1).
+"""
+
+import torch
+
+from truespec.sampling_params import SamplingParams
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams],
+           generators: list[torch.Generator | None]) -> list[int]:
+    """logits: [num_reqs, vocab] -> one token id per request."""
+    logits = logits if logits.dtype == torch.float64 else logits.float()
+    tokens = []
+    for row, p, gen in zip(logits, params, generators, strict=True):
+        if p.is_greedy:
+            tokens.append(int(torch.argmax(row)))
+        else:
+            probs = probabilities(row, p)
+            tokens.append(int(torch.multinomial(probs, 1, generator=gen)))
+    return tokens
+
+
+def probabilities(row: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """The distribution a random request samples from: [vocab] logits -> [vocab] probabilities."""
+    row = row / p.temperature
+    if p.top_k > 0 and p.top_k < row.numel():
+        kth = torch.topk(row, p.top_k).values[-1]
+        row = row.masked_fill(row < kth, float("-inf"))
+    probs = torch.softmax(row, dim=-1)
+    if p.top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, descending=True)
+        # keep the smallest prefix whose mass reaches top_p (the first token is always kept)
+        drop_sorted = (torch.cumsum(sorted_probs, dim=-1) - sorted_probs) >= p.top_p
+        probs = probs.masked_fill(torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted), 0.0)
+    if p.min_p > 0.0:
+        probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
+    return probs / probs.sum()

@@ -1,0 +1,69 @@
+"""The offline API, shaped like vLLM's ``LLM``."""
+
+from collections.abc import Sequence as Seq
+
+from tqdm.auto import tqdm
+
+from truespec.config import EngineConfig
+from truespec.engine.llm_engine import LLMEngine, PromptType
+from truespec.engine.sequence import Sequence
+from truespec.outputs import CompletionOutput, RequestOutput
+from truespec.sampling_params import SamplingParams
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **kwargs: object) -> None:
+        self.llm_engine = LLMEngine(EngineConfig(model=model or _default_model_dir(), **kwargs))
+
+    def get_tokenizer(self):  # noqa: ANN201 - a transformers tokenizer
+        return self.llm_engine.tokenizer
+
+    def cache_info(self) -> dict[str, int]:
+        return self.llm_engine.cache_info()
+
+    def generate(self, prompts: PromptType | Seq[PromptType],
+                 sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        prompts = [prompts] if isinstance(prompts, str | dict) else list(prompts)
+        params = _per_prompt(sampling_params, len(prompts))
+        engine = self.llm_engine
+        seqs = [engine.make_sequence(p, sp) for p, sp in zip(prompts, params, strict=True)]  # validate all first
+        for seq in seqs:
+            engine.add_sequence(seq)
+        try:
+            with tqdm(total=len(seqs), desc="generate", disable=not use_tqdm or len(seqs) < 2) as bar:
+                while any(not s.is_finished for s in seqs):
+                    bar.update(len(engine.step()))
+        except BaseException:
+            for seq in seqs:  # a failed call leaves nothing behind: blocks and state slots come back
+                engine.abort_request(seq.request_id)
+            raise
+        return [_request_output(s) for s in seqs]
+
+
+def _per_prompt(sampling_params: SamplingParams | Seq[SamplingParams] | None, n: int) -> list[SamplingParams]:
+    if sampling_params is None:
+        return [SamplingParams()] * n
+    if isinstance(sampling_params, SamplingParams):
+        return [sampling_params] * n
+    params = list(sampling_params)
+    if len(params) != n:
+        raise ValueError(f"got {len(params)} SamplingParams for {n} prompts: give one, or one per prompt")
+    return params
+
+
+def _request_output(seq: Sequence) -> RequestOutput:
+    out = CompletionOutput(0, seq.output_text, list(seq.output_token_ids), seq.finish_reason, seq.stop_reason)
+    return RequestOutput(seq.request_id, seq.prompt, list(seq.prompt_token_ids), [out], finished=True)
+
+
+def _default_model_dir() -> str:
+    try:
+        from truespec.assets import DEFAULT_MODEL_DIR
+    except ImportError as e:
+        raise ValueError("LLM() needs a model directory: the embedded default model is not installed "
+                         "in this copy of truespec; pass model='path/to/hf_dir'") from e
+    if not (DEFAULT_MODEL_DIR / "config.json").is_file():
+        raise ValueError(f"the embedded default model is missing from {DEFAULT_MODEL_DIR}; "
+                         "pass model='path/to/hf_dir'")
+    return str(DEFAULT_MODEL_DIR)

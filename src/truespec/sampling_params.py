@@ -1,0 +1,62 @@
+"""SamplingParams: how one request picks its tokens and when it stops (vLLM's fields and meanings)."""
+
+from dataclasses import dataclass
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: no top-k
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        _check(self.n == 1, "n", "only n=1 is supported", self.n)
+        _check(_is_number(self.temperature) and self.temperature >= 0, "temperature", "must be >= 0",
+               self.temperature)
+        _check(_is_number(self.top_p) and 0 < self.top_p <= 1, "top_p", "must be in (0, 1]", self.top_p)
+        _check(_is_int(self.top_k) and (self.top_k >= 0 or self.top_k == -1), "top_k",
+               "must be -1, 0 (disabled) or >= 1", self.top_k)
+        _check(_is_number(self.min_p) and 0 <= self.min_p <= 1, "min_p", "must be in [0, 1]", self.min_p)
+        _check(self.seed is None or _is_int(self.seed), "seed", "must be an int or None", self.seed)
+        _check(self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1), "max_tokens",
+               "must be >= 1 or None", self.max_tokens)
+        _check(_is_int(self.min_tokens) and self.min_tokens >= 0, "min_tokens", "must be >= 0",
+               self.min_tokens)
+        _check(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
+               f"must be <= max_tokens ({self.max_tokens})", self.min_tokens)
+        _check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings",
+               self.stop)
+        _check(all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
+               "must be non-negative ints", self.stop_token_ids)
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x: object) -> bool:
+    return isinstance(x, int | float) and not isinstance(x, bool) and x == x  # x == x rejects NaN
+
+
+def _check(ok: bool, name: str, rule: str, value: object) -> None:
+    if not ok:
+        raise ValueError(f"SamplingParams.{name} {rule}, got {value!r}")
+
+
+__all__ = ["SamplingParams"]
