@@ -50,11 +50,12 @@ class ModelRunner:
             layer.ssm_state = torch.zeros(num_state_slots, *ssm_shape, dtype=ssm_dtype, device=self.device)
 
     # ---- one step --------------------------------------------------------------------------
+    @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledSeq], blocks: BlockManager, states: StateManager,
                 banned_token_ids: list[list[int]]) -> list[int | None]:
         """Run one step; returns the sampled token for each request whose last chunk ran, else None."""
         input_ids, positions, ctx = self.prepare(scheduled, blocks, states)
-        with torch.inference_mode(), set_forward_context(ctx):
+        with set_forward_context(ctx):
             hidden = self.model(input_ids, positions)
             logits = self.model.compute_logits(hidden[ctx.logits_indices])
         sampling = [s for s in scheduled if s.is_last_chunk]

@@ -46,6 +46,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.num_preemptions = 0  # total since start, for tests and metrics
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -99,6 +100,7 @@ class Scheduler:
         self._release(seq)
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
+        self.num_preemptions += 1
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
 

@@ -1,0 +1,51 @@
+"""Shared fixtures: tiny random models of each architecture, saved in float64 with a real tokenizer."""
+
+from pathlib import Path
+
+import pytest
+import torch
+from engine_utils import save_tokenizer
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen3_5ForCausalLM, Qwen3_5TextConfig, Qwen3Config, \
+    Qwen3ForCausalLM
+
+VOCAB = 320
+# Large init so tiny random models give varied, low-margin-free greedy continuations.
+COMMON = dict(vocab_size=VOCAB, max_position_embeddings=1024, eos_token_id=None, initializer_range=0.3)
+
+
+def _hybrid() -> torch.nn.Module:
+    cfg = Qwen3_5TextConfig(**COMMON, hidden_size=48, intermediate_size=72, num_hidden_layers=4,
+                            layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_key_head_dim=8,
+                            linear_value_head_dim=12, linear_num_key_heads=2, linear_num_value_heads=4,
+                            tie_word_embeddings=False)
+    return Qwen3_5ForCausalLM(cfg)
+
+
+def _qwen3() -> torch.nn.Module:
+    cfg = Qwen3Config(**COMMON, hidden_size=40, intermediate_size=56, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=10, tie_word_embeddings=True)
+    return Qwen3ForCausalLM(cfg)
+
+
+def _llama() -> torch.nn.Module:
+    cfg = LlamaConfig(**COMMON, hidden_size=48, intermediate_size=64, num_hidden_layers=2, num_attention_heads=6,
+                      num_key_value_heads=3, tie_word_embeddings=False)
+    return LlamaForCausalLM(cfg)
+
+
+BUILDERS = {"hybrid": _hybrid, "qwen3": _qwen3, "llama": _llama}
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Name -> directory of a saved float64 random model (with tokenizer)."""
+    root = tmp_path_factory.mktemp("tiny_models")
+    dirs = {}
+    for name, build in BUILDERS.items():
+        torch.manual_seed(0)
+        model = build().to(torch.float64).eval()
+        model.save_pretrained(root / name)
+        save_tokenizer(root / name, VOCAB - 8)
+        dirs[name] = root / name
+    return dirs

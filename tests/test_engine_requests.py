@@ -1,0 +1,164 @@
+"""Request lifecycle: stop conditions, accounting after finish / abort / preemption / errors (invariant 6),
+and bad input that fails alone while the same LLM keeps serving unchanged output."""
+
+from pathlib import Path
+
+import pytest
+from test_engine_exactness import random_prompts
+
+from truespec import LLM, SamplingParams
+from truespec.entrypoints.cli import main as cli_main
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_models: dict[str, Path]) -> LLM:
+    return LLM(str(tiny_models["hybrid"]), dtype="float64", device="cpu", max_model_len=256,
+               num_gpu_blocks_override=20, max_num_batched_tokens=32)
+
+
+def assert_all_free(llm: LLM) -> None:
+    info = llm.cache_info()
+    assert info["num_free_blocks"] == info["num_blocks"]
+    assert info["num_free_state_slots"] == info["num_state_slots"]
+
+
+def baseline(llm: LLM) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(random_prompts([3, 50, 120]), GREEDY, use_tqdm=False)]
+
+
+def test_accounting_after_finish_and_abort(llm: LLM) -> None:
+    engine = llm.llm_engine
+    ids = [engine.add_request(p, GREEDY) for p in random_prompts([10, 80, 150, 200], seed=5)]
+    for _ in range(6):
+        engine.step()
+    assert engine.scheduler.num_preemptions > 0 or engine.cache_info()["num_free_blocks"] < 20
+    for rid in ids:
+        engine.abort_request(rid)
+    assert not engine.has_unfinished_requests()
+    assert_all_free(llm)
+    baseline(llm)
+    assert_all_free(llm)
+
+
+def test_error_inside_a_step_frees_everything_and_engine_recovers(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    before = baseline(llm)
+    runner = llm.llm_engine.runner
+    calls = {"n": 0}
+    real_execute = runner.execute
+
+    def failing_execute(*args: object, **kwargs: object) -> object:
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("injected failure")
+        return real_execute(*args, **kwargs)
+
+    monkeypatch.setattr(runner, "execute", failing_execute)
+    with pytest.raises(RuntimeError, match="injected"):
+        llm.generate(random_prompts([3, 50, 120]), GREEDY, use_tqdm=False)
+    monkeypatch.undo()
+    assert_all_free(llm)
+    assert baseline(llm) == before
+
+
+@pytest.mark.parametrize("prompt, message", [
+    ("", "empty"),
+    ({"prompt_token_ids": []}, "empty"),
+    ({"prompt_token_ids": list(range(1, 257))}, "max_model_len"),
+    ({"prompt_token_ids": [1, 99999]}, "vocabulary"),
+    ({"prompt_token_ids": "abc"}, "prompt_token_ids"),
+    (42, "prompt must be"),
+])
+def test_bad_prompt_fails_alone(llm: LLM, prompt: object, message: str) -> None:
+    before = baseline(llm)
+    with pytest.raises(ValueError, match=message):
+        llm.generate([random_prompts([4])[0], prompt], GREEDY, use_tqdm=False)
+    assert_all_free(llm)
+    assert baseline(llm) == before
+
+
+def test_bad_sampling_params_argument(llm: LLM) -> None:
+    with pytest.raises(ValueError, match="SamplingParams"):
+        llm.generate(random_prompts([4, 5]), [GREEDY], use_tqdm=False)
+    with pytest.raises(ValueError, match="SamplingParams"):
+        llm.generate(random_prompts([4]), {"temperature": 0}, use_tqdm=False)  # type: ignore[arg-type]
+    assert_all_free(llm)
+
+
+def test_stop_token_ids_and_min_tokens(llm: LLM) -> None:
+    prompt = random_prompts([20], seed=9)
+    free = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True), use_tqdm=False)
+    tokens = free[0].outputs[0].token_ids
+    stop_at = 5
+    out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[tokens[stop_at]],
+                                              ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    first = tokens.index(tokens[stop_at])
+    assert out.token_ids == tokens[:first + 1] and out.finish_reason == "stop" and out.stop_reason == tokens[first]
+    out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=30, min_tokens=first + 2,
+                                              stop_token_ids=[tokens[stop_at]], ignore_eos=True),
+                       use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) >= first + 2  # the stop token is banned until min_tokens
+    assert tokens[stop_at] not in out.token_ids[:first + 1]
+
+
+def test_stop_string_cuts_text(llm: LLM) -> None:
+    prompt = random_prompts([20], seed=9)
+    full = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True), use_tqdm=False)
+    text = full[0].outputs[0].text
+    stop = text[len(text) // 2: len(text) // 2 + 2]
+    cut = text[:text.find(stop)]
+    for include, expected in [(False, cut), (True, cut + stop)]:
+        out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=30, stop=stop, ignore_eos=True,
+                                                  include_stop_str_in_output=include), use_tqdm=False)[0].outputs[0]
+        assert out.text == expected and out.finish_reason == "stop" and out.stop_reason == stop
+        assert full[0].outputs[0].token_ids[:len(out.token_ids)] == out.token_ids
+
+
+def test_eos_finishes_with_stop(tiny_models: dict[str, Path]) -> None:
+    llm = LLM(str(tiny_models["qwen3"]), dtype="float64", device="cpu", max_model_len=128)
+    prompt = random_prompts([7], seed=3)
+    tokens = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
+                          use_tqdm=False)[0].outputs[0].token_ids
+    stop_checker = llm.llm_engine.stop_checker
+    stop_checker.eos_token_ids = {tokens[4]}
+    out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=20), use_tqdm=False)[0].outputs[0]
+    first = tokens.index(tokens[4])
+    assert out.token_ids == tokens[:first + 1] and out.finish_reason == "stop"
+
+
+def test_length_limit_is_max_model_len(llm: LLM) -> None:
+    out = llm.generate({"prompt_token_ids": list(range(1, 251))}, SamplingParams(temperature=0, max_tokens=None,
+                                                                                ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 6 and out[0].outputs[0].finish_reason == "length"
+
+
+def test_missing_model_dir_and_corrupt_weights(tmp_path: Path, tiny_models: dict[str, Path]) -> None:
+    with pytest.raises(FileNotFoundError, match="nope"):
+        LLM(str(tmp_path / "nope"), device="cpu")
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for f in tiny_models["qwen3"].iterdir():
+        data = f.read_bytes()
+        (broken / f.name).write_bytes(data[: len(data) // 2] if f.suffix == ".safetensors" else data)
+    with pytest.raises(ValueError, match="safetensors"):
+        LLM(str(broken), device="cpu")
+
+
+def test_invalid_engine_config_names_the_field(tiny_models: dict[str, Path]) -> None:
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        LLM(str(tiny_models["qwen3"]), max_num_seqs=0)
+    with pytest.raises(ValueError, match="dtype"):
+        LLM(str(tiny_models["qwen3"]), dtype="int3")
+    with pytest.raises(ValueError, match="max_model_len"):
+        LLM(str(tiny_models["qwen3"]), device="cpu", max_model_len=4096)
+    with pytest.raises(ValueError, match="num_gpu_blocks_override"):
+        LLM(str(tiny_models["qwen3"]), device="cpu", max_model_len=512, num_gpu_blocks_override=2)
+
+
+def test_cli_generate(tiny_models: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli_main(["generate", "--model", str(tiny_models["qwen3"]), "--max-tokens", "5", "--dtype", "float32",
+                     "def f(x):"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.startswith("def f(x):") and "tokens/s" in captured.err
+    assert cli_main(["generate", "--model", "/no/such/dir", "x"]) == 2
