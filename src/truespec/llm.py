@@ -21,6 +21,11 @@ class LLM:
     def cache_info(self) -> dict[str, int]:
         return self.llm_engine.cache_info()
 
+    def get_metrics(self) -> dict[str, object]:
+        """Speculative-decoding counters: num_drafts, num_draft_tokens, num_accepted_tokens,
+        num_accepted_tokens_per_pos, mean_acceptance_length (= 1 + accepted / drafts)."""
+        return self.llm_engine.spec_metrics.as_dict()
+
     def generate(self, prompts: PromptType | Seq[PromptType],
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:

@@ -8,12 +8,14 @@ from truespec.config import EngineConfig
 from truespec.engine.block_manager import BlockManager
 from truespec.engine.cache_sizing import resolve_max_model_len, size_kv_pool
 from truespec.engine.model_runner import ModelRunner
-from truespec.engine.scheduler import Scheduler
+from truespec.engine.scheduler import ScheduledSeq, Scheduler
 from truespec.engine.sequence import Sequence
 from truespec.engine.state_manager import StateManager
 from truespec.engine.stop_checker import StopChecker
 from truespec.models.loader import load_model
 from truespec.sampling_params import SamplingParams
+from truespec.spec_decode.metrics import SpecDecodeMetrics
+from truespec.spec_decode.proposer import make_proposer
 from truespec.tokenizer import load_tokenizer
 
 PromptType = str | dict
@@ -29,13 +31,16 @@ class LLMEngine:
         self.max_model_len = resolve_max_model_len(config, self.hf_config)
         self.vocab_size = self.hf_config.vocab_size
         self.runner = ModelRunner(loaded.model, self.device, self.dtype, config.seed)
-        num_blocks = size_kv_pool(config, self.runner, self.max_model_len, config.max_num_seqs)
-        self.state_manager = StateManager(num_groups=config.max_num_seqs, slots_per_group=1)
+        k = config.num_speculative_tokens
+        num_blocks = size_kv_pool(config, self.runner, self.max_model_len, config.max_num_seqs * (1 + k))
+        self.state_manager = StateManager(num_groups=config.max_num_seqs, slots_per_group=1 + k)
         self.block_manager = BlockManager(num_blocks, config.block_size)
         self.runner.allocate_caches(num_blocks, config.block_size, self.state_manager.num_slots)
         self.scheduler = Scheduler(self.block_manager, self.state_manager, config.max_num_seqs,
                                    config.max_num_batched_tokens)
         self.stop_checker = StopChecker(self.tokenizer, self.hf_config, config.model)
+        self.proposer = make_proposer(config.speculative_config)
+        self.spec_metrics = SpecDecodeMetrics(k)
         self.seqs: dict[str, Sequence] = {}
         self._ids = itertools.count()
 
@@ -78,29 +83,36 @@ class LLMEngine:
 
     # ---- the step loop ---------------------------------------------------------------------------
     def step(self) -> list[Sequence]:
-        """Run one step; returns the requests that finished in it."""
+        """Schedule -> run (verify drafts) -> postprocess -> propose drafts for the next step.
+        Returns the requests that finished in this step."""
         out = self.scheduler.schedule()
         if not out.scheduled:
             return []
-        banned = [self.stop_checker.banned_token_ids(s.seq) for s in out.scheduled]
-        tokens = self.runner.execute(out.scheduled, self.block_manager, self.state_manager, banned)
-        finished = []
-        for s, token in zip(out.scheduled, tokens, strict=True):
-            s.seq.num_computed_tokens += s.num_new_tokens
-            s.seq.state_index = 0
-            if token is not None and self._append_token(s.seq, token):
-                finished.append(s.seq)
+        sampled = self.runner.execute(out.scheduled, self.block_manager, self.state_manager, self.stop_checker)
+        finished = [s.seq for s, tokens in zip(out.scheduled, sampled, strict=True) if self._postprocess(s, tokens)]
+        if self.proposer is not None:
+            self.proposer.propose([s.seq for s in out.scheduled if s.seq.num_uncomputed_tokens == 1
+                                   and not s.seq.is_finished])
         return finished
 
-    def _append_token(self, seq: Sequence, token: int) -> bool:
-        seq.output_token_ids.append(token)
-        reason = self.stop_checker.check(seq)
-        if reason is None:
-            return False
-        self.scheduler.finish(seq, reason)
-        self.runner.release(seq.request_id)
-        self.seqs.pop(seq.request_id, None)
-        return True
+    def _postprocess(self, s: ScheduledSeq, tokens: list[int]) -> bool:
+        """Advance the request past what was verified; append its new tokens. True if it finished."""
+        seq = s.seq
+        num_accepted = max(len(tokens) - 1, 0)
+        seq.num_computed_tokens += s.num_new_tokens + num_accepted
+        seq.state_index = num_accepted  # the slot holding the state after the last accepted token
+        seq.draft_token_ids, seq.draft_probs = [], None
+        if tokens:
+            self.spec_metrics.observe(len(s.draft_token_ids), num_accepted)
+        for token in tokens:
+            seq.output_token_ids.append(token)
+            reason = self.stop_checker.check(seq)
+            if reason is not None:  # nothing after the stop leaks out
+                self.scheduler.finish(seq, reason)
+                self.runner.release(seq.request_id)
+                self.seqs.pop(seq.request_id, None)
+                return True
+        return False
 
     # ---- helpers ---------------------------------------------------------------------------------
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:

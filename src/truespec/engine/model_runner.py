@@ -10,8 +10,9 @@ from truespec.engine.block_manager import BlockManager
 from truespec.engine.scheduler import ScheduledSeq
 from truespec.engine.sequence import Sequence
 from truespec.engine.state_manager import StateManager
+from truespec.engine.stop_checker import StopChecker
 from truespec.forward_context import ForwardContext, set_forward_context
-from truespec.layers.sampler import sample
+from truespec.layers.rejection_sampler import rejection_sample
 from truespec.sampling_params import SamplingParams
 
 
@@ -52,20 +53,28 @@ class ModelRunner:
     # ---- one step --------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledSeq], blocks: BlockManager, states: StateManager,
-                banned_token_ids: list[list[int]]) -> list[int | None]:
-        """Run one step; returns the sampled token for each request whose last chunk ran, else None."""
+                stop_checker: StopChecker) -> list[list[int]]:
+        """Run one step. For each request whose last chunk ran: its accepted drafts plus one new token
+        (just the new token without drafts); [] for a request still prefilling."""
         input_ids, positions, ctx = self.prepare(scheduled, blocks, states)
         with set_forward_context(ctx):
             hidden = self.model(input_ids, positions)
             logits = self.model.compute_logits(hidden[ctx.logits_indices])
-        sampling = [s for s in scheduled if s.is_last_chunk]
-        banned = [b for s, b in zip(scheduled, banned_token_ids, strict=True) if s.is_last_chunk]
-        for row, ids in enumerate(banned):
-            if ids:
-                logits[row, ids] = float("-inf")
-        tokens = iter(sample(logits, [s.seq.params for s in sampling],
-                             [self._generator(s.seq) for s in sampling]))
-        return [next(tokens) if s.is_last_chunk else None for s in scheduled]
+        logits = logits if logits.dtype == torch.float64 else logits.float()
+        results: list[list[int]] = []
+        row = 0
+        for s in scheduled:
+            if not s.is_last_chunk:
+                results.append([])
+                continue
+            drafts, seq = s.draft_token_ids, s.seq
+            rows = logits[row:row + 1 + len(drafts)]
+            row += 1 + len(drafts)
+            for i in range(len(rows)):  # min_tokens: position i would be output token len(output) + i
+                rows[i, stop_checker.banned_token_ids(seq, offset=i)] = float("-inf")
+            probs = None if seq.draft_probs is None else seq.draft_probs[:len(drafts)]
+            results.append(rejection_sample(rows, drafts, probs, seq.params, self._generator(seq)))
+        return results
 
     def prepare(self, scheduled: list[ScheduledSeq], blocks: BlockManager,
                 states: StateManager) -> tuple[torch.Tensor, torch.Tensor, ForwardContext]:
@@ -75,17 +84,18 @@ class ModelRunner:
         query_start_loc = [0]
         seq_lens, state_src, state_dst, write_start, logits_indices = [], [], [], [], []
         for s in scheduled:
-            seq, start, n = s.seq, s.seq.num_computed_tokens, s.num_new_tokens
-            input_ids += seq.token_ids[start:start + n]
-            positions += range(start, start + n)
-            slot_mapping += (blocks.slot(seq, p) for p in range(start, start + n))
-            query_start_loc.append(query_start_loc[-1] + n)
-            seq_lens.append(start + n)
+            seq, start, q = s.seq, s.seq.num_computed_tokens, s.query_len
+            input_ids += seq.token_ids[start:start + s.num_new_tokens] + s.draft_token_ids
+            positions += range(start, start + q)
+            slot_mapping += (blocks.slot(seq, p) for p in range(start, start + q))
+            query_start_loc.append(query_start_loc[-1] + q)
+            seq_lens.append(start + q)
             state_src.append(states.current_slot(seq))
             state_dst.append(states.first_slot(seq))
-            write_start.append(n - 1)  # plain decode / prefill chunk: keep the last token's state
+            # keep the state after the last sequence token and after every draft (invariant 2)
+            write_start.append(s.num_new_tokens - 1)
             if s.is_last_chunk:
-                logits_indices.append(query_start_loc[-1] - 1)
+                logits_indices += range(query_start_loc[-1] - 1 - len(s.draft_token_ids), query_start_loc[-1])
         width = max(len(s.seq.block_ids) for s in scheduled)
         tables = [s.seq.block_ids + [-1] * (width - len(s.seq.block_ids)) for s in scheduled]
         t = self._tensor

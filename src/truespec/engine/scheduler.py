@@ -19,7 +19,12 @@ from truespec.engine.state_manager import StateManager
 @dataclass
 class ScheduledSeq:
     seq: Sequence
-    num_new_tokens: int
+    num_new_tokens: int  # tokens of the sequence computed this step (prefill chunk, or 1 for a decode)
+    draft_token_ids: list[int] = field(default_factory=list)  # drafts verified after them (decodes only)
+
+    @property
+    def query_len(self) -> int:
+        return self.num_new_tokens + len(self.draft_token_ids)
 
     @property
     def is_last_chunk(self) -> bool:
@@ -61,15 +66,23 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_uncomputed_tokens, budget)
-            if not self._make_room(seq, n, out):
+            drafts = self._drafts(seq, budget - n)
+            if not self._make_room(seq, n + len(drafts), out):
                 continue  # seq itself was preempted (it was the last running one)
-            self.block_manager.allocate(seq, n)
-            out.scheduled.append(ScheduledSeq(seq, n))
-            budget -= n
+            self.block_manager.allocate(seq, n + len(drafts))
+            out.scheduled.append(ScheduledSeq(seq, n, drafts))
+            budget -= n + len(drafts)
             i += 1
         if not out.preempted:
             self._admit(budget, out)
         return out
+
+    def _drafts(self, seq: Sequence, budget: int) -> list[int]:
+        """The proposer's drafts for a decoding request, cut to the budget and to the tokens it may still emit."""
+        if seq.num_uncomputed_tokens != 1:
+            return []  # still prefilling: no drafts
+        room = min(budget, seq.max_output_len - len(seq.output_token_ids) - 1)
+        return seq.draft_token_ids[:max(0, room)]
 
     def _make_room(self, seq: Sequence, num_new_tokens: int, out: SchedulerOutput) -> bool:
         while not self.block_manager.can_allocate(seq, num_new_tokens):
@@ -99,6 +112,7 @@ class Scheduler:
         self.running.remove(seq)
         self._release(seq)
         seq.num_computed_tokens = 0
+        seq.draft_token_ids = []
         seq.num_preemptions += 1
         self.num_preemptions += 1
         seq.status = SequenceStatus.WAITING

@@ -12,10 +12,10 @@ class StopChecker:
         self.tokenizer = tokenizer
         self.eos_token_ids = _eos_token_ids(tokenizer, hf_config, model_dir)
 
-    def banned_token_ids(self, seq: Sequence) -> list[int]:
-        """Tokens that may not be sampled yet: stop tokens and EOS while output < min_tokens."""
+    def banned_token_ids(self, seq: Sequence, offset: int = 0) -> list[int]:
+        """Tokens that may not be output token ``len(output) + offset``: stop tokens and EOS before min_tokens."""
         p = seq.params
-        if len(seq.output_token_ids) >= p.min_tokens:
+        if len(seq.output_token_ids) + offset >= p.min_tokens:
             return []
         return sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids))
 

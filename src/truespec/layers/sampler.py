@@ -1,26 +1,12 @@
-"""Token sampling: greedy, temperature, top-k, top-p, min-p, with one generator per request.
+"""The distribution a request samples from: temperature, top-k, top-p, min-p.
 
-Each row is sampled by itself with its own generator, so a seeded request draws the same tokens
-whatever else is in the batch (invariant 1).
+Tokens are drawn in ``rejection_sampler.py`` (with or without drafts), row by row with each request's
+own generator, so a seeded request draws the same tokens whatever else is in the batch (invariant 1).
 """
 
 import torch
 
 from truespec.sampling_params import SamplingParams
-
-
-def sample(logits: torch.Tensor, params: list[SamplingParams],
-           generators: list[torch.Generator | None]) -> list[int]:
-    """logits: [num_reqs, vocab] -> one token id per request."""
-    logits = logits if logits.dtype == torch.float64 else logits.float()
-    tokens = []
-    for row, p, gen in zip(logits, params, generators, strict=True):
-        if p.is_greedy:
-            tokens.append(int(torch.argmax(row)))
-        else:
-            probs = probabilities(row, p)
-            tokens.append(int(torch.multinomial(probs, 1, generator=gen)))
-    return tokens
 
 
 def probabilities(row: torch.Tensor, p: SamplingParams) -> torch.Tensor:

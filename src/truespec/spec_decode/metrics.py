@@ -1,0 +1,38 @@
+"""Acceptance counters, named as vLLM names them."""
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SpecDecodeMetrics:
+    num_speculative_tokens: int
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.num_accepted_tokens_per_pos = [0] * self.num_speculative_tokens
+
+    def observe(self, num_draft_tokens: int, num_accepted: int) -> None:
+        """One verified request: ``num_draft_tokens`` drafts, the first ``num_accepted`` accepted."""
+        if num_draft_tokens == 0:
+            return
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted
+        for pos in range(num_accepted):
+            self.num_accepted_tokens_per_pos[pos] += 1
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "num_drafts": self.num_drafts,
+            "num_draft_tokens": self.num_draft_tokens,
+            "num_accepted_tokens": self.num_accepted_tokens,
+            "num_accepted_tokens_per_pos": list(self.num_accepted_tokens_per_pos),
+            "mean_acceptance_length": self.mean_acceptance_length,
+        }
