@@ -4,9 +4,19 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen3_5ForCausalLM,
+    Qwen3_5TextConfig,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
 from engine_utils import save_tokenizer
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen3_5ForCausalLM, Qwen3_5TextConfig, Qwen3Config, \
-    Qwen3ForCausalLM
+
+# One thread: on the 2-core CI machine, torch's thread pool contending with itself makes tests ~20x slower.
+torch.set_num_threads(1)
 
 VOCAB = 320
 # Large init so tiny random models give varied, low-margin-free greedy continuations.

@@ -4,8 +4,8 @@ and bad input that fails alone while the same LLM keeps serving unchanged output
 from pathlib import Path
 
 import pytest
-from test_engine_exactness import random_prompts
 
+from test_engine_exactness import random_prompts
 from truespec import LLM, SamplingParams
 from truespec.entrypoints.cli import main as cli_main
 

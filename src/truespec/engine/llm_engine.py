@@ -90,9 +90,9 @@ class LLMEngine:
             return []
         sampled = self.runner.execute(out.scheduled, self.block_manager, self.state_manager, self.stop_checker)
         finished = [s.seq for s, tokens in zip(out.scheduled, sampled, strict=True) if self._postprocess(s, tokens)]
-        if self.proposer is not None:
-            self.proposer.propose([s.seq for s in out.scheduled if s.seq.num_uncomputed_tokens == 1
-                                   and not s.seq.is_finished])
+        if self.proposer is not None:  # requests that got a new token decode next: draft for them
+            self.proposer.propose([s.seq for s, tokens in zip(out.scheduled, sampled, strict=True)
+                                   if tokens and not s.seq.is_finished])
         return finished
 
     def _postprocess(self, s: ScheduledSeq, tokens: list[int]) -> bool:
@@ -101,8 +101,8 @@ class LLMEngine:
         num_accepted = max(len(tokens) - 1, 0)
         seq.num_computed_tokens += s.num_new_tokens + num_accepted
         seq.state_index = num_accepted  # the slot holding the state after the last accepted token
-        seq.draft_token_ids, seq.draft_probs = [], None
-        if tokens:
+        if tokens:  # the last chunk ran: its drafts are used up
+            seq.draft_token_ids, seq.draft_probs = [], None
             self.spec_metrics.observe(len(s.draft_token_ids), num_accepted)
         for token in tokens:
             seq.output_token_ids.append(token)

@@ -1,8 +1,8 @@
 """Continuous batching with chunked prefill and preemption by recompute (pure Python, no torch).
 
 Each step gets a token budget (``max_num_batched_tokens``). Running requests go first, in arrival
-order: a decoding request takes 1 token, a request still prefilling takes the next chunk of its
-prompt. Then waiting requests are admitted while the budget, ``max_num_seqs``, KV blocks and state
+order: a decoding request takes 1 token plus the drafts it verifies, a request still prefilling takes
+the next chunk of its prompt. Then waiting requests are admitted while the budget, ``max_num_seqs``, KV blocks and state
 groups allow. When a running request cannot get the KV blocks it needs, the most recently admitted
 running request is preempted: its blocks and state group are freed and it restarts its prefill
 (prompt + output so far) later, so its output is unchanged.
@@ -65,8 +65,11 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(seq.num_uncomputed_tokens, budget)
-            drafts = self._drafts(seq, budget - n)
+            plan = self._plan(seq, budget)
+            if plan is None:  # a verify that does not fit this step waits whole (its drafts are never cut)
+                i += 1
+                continue
+            n, drafts = plan
             if not self._make_room(seq, n + len(drafts), out):
                 continue  # seq itself was preempted (it was the last running one)
             self.block_manager.allocate(seq, n + len(drafts))
@@ -77,12 +80,20 @@ class Scheduler:
             self._admit(budget, out)
         return out
 
-    def _drafts(self, seq: Sequence, budget: int) -> list[int]:
-        """The proposer's drafts for a decoding request, cut to the budget and to the tokens it may still emit."""
-        if seq.num_uncomputed_tokens != 1:
-            return []  # still prefilling: no drafts
-        room = min(budget, seq.max_output_len - len(seq.output_token_ids) - 1)
-        return seq.draft_token_ids[:max(0, room)]
+    def _plan(self, seq: Sequence, budget: int) -> tuple[int, list[int]] | None:
+        """(tokens of ``seq`` to compute, drafts to verify after them) within ``budget``; None: wait.
+
+        Drafts ride on a request's last chunk (a decode, or the end of a re-prefill after preemption) and
+        are cut only by limits of the request itself, never by the rest of the batch: so a request verifies
+        the same drafts alone or in any batch, and its seeded random draws stay batch invariant."""
+        remaining = seq.num_uncomputed_tokens
+        room = min(self.max_num_batched_tokens - 1, seq.max_output_len - len(seq.output_token_ids) - 1)
+        drafts = seq.draft_token_ids[:max(0, room)]
+        if remaining + len(drafts) <= budget:
+            return remaining, drafts
+        if remaining > 1:
+            return min(remaining - 1, budget), []  # a prefill chunk; the drafts wait for the last one
+        return None
 
     def _make_room(self, seq: Sequence, num_new_tokens: int, out: SchedulerOutput) -> bool:
         while not self.block_manager.can_allocate(seq, num_new_tokens):
@@ -96,23 +107,25 @@ class Scheduler:
     def _admit(self, budget: int, out: SchedulerOutput) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            n = min(seq.num_uncomputed_tokens, budget)
-            if not (self.state_manager.can_allocate() and self.block_manager.can_allocate(seq, n)):
+            plan = self._plan(seq, budget)
+            if plan is None:
+                break
+            n, drafts = plan
+            if not (self.state_manager.can_allocate() and self.block_manager.can_allocate(seq, n + len(drafts))):
                 break
             self.waiting.popleft()
             self.state_manager.allocate(seq)
-            self.block_manager.allocate(seq, n)
+            self.block_manager.allocate(seq, n + len(drafts))
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            out.scheduled.append(ScheduledSeq(seq, n))
-            budget -= n
+            out.scheduled.append(ScheduledSeq(seq, n, drafts))
+            budget -= n + len(drafts)
 
     def preempt(self, seq: Sequence) -> None:
         """Free everything ``seq`` holds; it recomputes its prefill (prompt + output) later."""
         self.running.remove(seq)
         self._release(seq)
-        seq.num_computed_tokens = 0
-        seq.draft_token_ids = []
+        seq.num_computed_tokens = 0  # its drafts stay: they ride on the last chunk of the re-prefill
         seq.num_preemptions += 1
         self.num_preemptions += 1
         seq.status = SequenceStatus.WAITING

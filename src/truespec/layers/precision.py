@@ -1,0 +1,13 @@
+"""Which dtype a layer computes its sensitive math in (norms, softmax, RoPE angles, GDN state)."""
+
+import torch
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float64 models compute everything in float64; every other dtype computes in float32.
+
+    float32 for half dtypes mirrors transformers. transformers also drops float64 models to
+    float32 inside norms/RoPE/GDN; we do not, so a float64 truespec run is exact end to end
+    (DESIGN.md invariant 5) and differs from transformers only by transformers' own float32 error.
+    """
+    return torch.float64 if dtype == torch.float64 else torch.float32

@@ -1,0 +1,89 @@
+"""Rotary position embedding (neox / rotate-half style, optionally partial) built from an HF config.
+
+The inverse-frequency table comes from transformers' own RoPE init functions (``ROPE_INIT_FUNCTIONS``),
+so every static scaling variant (linear, llama3, yarn, ...) is exactly transformers'. The table is
+float32, as transformers computes it (it is a model constant); angles ``position * inv_freq`` and
+their cos/sin are computed in the compute dtype (float64 for float64 models), then cast to the
+model dtype before rotating q/k, as transformers does.
+"""
+
+from typing import Any
+
+import torch
+from torch import nn
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+from truespec.layers.precision import compute_dtype
+
+# "dynamic" and "longrope" change inv_freq with the longest sequence in the *batch* in transformers:
+# batch-dependent math that a paged KV cache (and invariant 1) cannot honour.
+_BATCH_DEPENDENT_ROPE = ("dynamic", "longrope")
+
+
+def _default_inv_freq(rope_theta: float, rotary_dim: int) -> torch.Tensor:
+    # [rotary_dim // 2] float32, the formula of transformers' compute_default_rope_parameters.
+    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64, device="cpu").float() / rotary_dim
+    return 1.0 / (rope_theta**exponents)
+
+
+def rope_from_config(config: Any, head_dim: int) -> "RotaryEmbedding":
+    """RotaryEmbedding for an HF text config (reads ``config.rope_parameters``)."""
+    params: dict[str, Any] = dict(config.rope_parameters or {})
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    rotary_dim = int(head_dim * params.get("partial_rotary_factor", 1.0))
+    if rope_type in _BATCH_DEPENDENT_ROPE:
+        raise ValueError(f"rope_type {rope_type!r} is not supported (its frequencies depend on the batch)")
+    # Built on the host even when the model is constructed on the meta device.
+    with torch.device("cpu"):
+        if rope_type == "default":
+            inv_freq, scaling = _default_inv_freq(float(params["rope_theta"]), rotary_dim), 1.0
+        elif rope_type in ROPE_INIT_FUNCTIONS:
+            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
+        else:
+            supported = ["default", *sorted(set(ROPE_INIT_FUNCTIONS) - set(_BATCH_DEPENDENT_ROPE))]
+            raise ValueError(f"unknown rope_type {rope_type!r}; supported: {supported}")
+    if 2 * inv_freq.numel() != rotary_dim:
+        raise ValueError(f"rope_type {rope_type!r} gave {inv_freq.numel()} frequencies for rotary dim {rotary_dim}")
+    return RotaryEmbedding(head_dim, rotary_dim, inv_freq.float(), float(scaling))
+
+
+class RotaryEmbedding(nn.Module):
+    """Computes (cos, sin) for a step's positions once; ``apply_rotary`` uses them in every layer."""
+
+    def __init__(self, head_dim: int, rotary_dim: int, inv_freq: torch.Tensor, attention_scaling: float) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        self.rotary_dim = rotary_dim
+        self.attention_scaling = attention_scaling
+        self._inv_freq_host = inv_freq  # [rotary_dim // 2] float32 on CPU, survives to_empty()
+        self.register_buffer("inv_freq", inv_freq.clone(), persistent=False)
+
+    def init_buffers(self, device: torch.device) -> None:
+        """Re-create ``inv_freq`` on ``device`` (after the model was materialised from the meta device)."""
+        self.inv_freq = self._inv_freq_host.to(device)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        # positions: [num_tokens] int64 -> cos, sin: [num_tokens, rotary_dim] in ``dtype``.
+        cdt = compute_dtype(dtype)
+        freqs = positions.to(cdt)[:, None] * self.inv_freq.to(cdt)[None, :]
+        emb = torch.cat([freqs, freqs], dim=-1)
+        cos = emb.cos() * self.attention_scaling
+        sin = emb.sin() * self.attention_scaling
+        return cos.to(dtype), sin.to(dtype)
+
+    def extra_repr(self) -> str:
+        return f"head_dim={self.head_dim}, rotary_dim={self.rotary_dim}, scaling={self.attention_scaling}"
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([-x2, x1], dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the first ``rotary_dim`` dims of every head; x: [num_tokens, num_heads, head_dim]."""
+    rotary_dim = cos.shape[-1]
+    cos, sin = cos[:, None, :], sin[:, None, :]  # broadcast over heads
+    x_rot, x_pass = x[..., :rotary_dim], x[..., rotary_dim:]
+    x_rot = x_rot * cos + _rotate_half(x_rot) * sin
+    return torch.cat([x_rot, x_pass], dim=-1)

@@ -1,0 +1,85 @@
+"""Llama dense decoder (also the body of Qwen3, which adds per-head q/k RMSNorm)."""
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from truespec.layers.attention import PagedAttention
+from truespec.layers.mlp import GatedMLP
+from truespec.layers.norm import RMSNorm
+from truespec.layers.rotary import apply_rotary, rope_from_config
+from truespec.models.base import CausalLM
+
+
+def head_dim_of(config: Any) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+class LlamaAttention(nn.Module):
+    """q/k/v/o projections (optional bias), optional per-head q/k RMSNorm (Qwen3), full RoPE, GQA."""
+
+    def __init__(self, config: Any, qk_norm: bool) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = head_dim_of(config)
+        bias = bool(getattr(config, "attention_bias", False))
+        self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
+        if qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.qk_norm = qk_norm
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        # x: [T, hidden]; cos/sin: [T, rotary_dim]
+        q = self.q_proj(x).unflatten(-1, (self.num_heads, self.head_dim))  # [T, H, D]
+        k = self.k_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim))  # [T, Hkv, D]
+        v = self.v_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim))
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        return self.o_proj(self.attn(q, k, v).flatten(-2))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: Any, qk_norm: bool) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, qk_norm)
+        mlp_bias = bool(getattr(config, "mlp_bias", False))
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act, mlp_bias)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: Any, qk_norm: bool) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList([LlamaDecoderLayer(config, qk_norm) for _ in range(config.num_hidden_layers)])
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = rope_from_config(config, head_dim_of(config))
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        h = self.embed_tokens(input_ids)
+        cos, sin = self.rotary_emb(positions, h.dtype)
+        for layer in self.layers:
+            h = layer(h, cos, sin)
+        return self.norm(h)
+
+
+class LlamaForCausalLM(CausalLM):
+    qk_norm = False
+
+    def __init__(self, config: Any, tie_word_embeddings: bool | None = None) -> None:
+        super().__init__()
+        self.model = LlamaModel(config, self.qk_norm)
+        tied = bool(config.tie_word_embeddings if tie_word_embeddings is None else tie_word_embeddings)
+        self.lm_head = None if tied else nn.Linear(config.hidden_size, config.vocab_size, bias=False)

@@ -1,0 +1,103 @@
+"""Qwen3.5 text model (``qwen3_5_text``; also the language model of multimodal ``qwen3_5``).
+
+Hybrid: ``layer_types`` mixes Gated DeltaNet layers (``linear_attention``) and gated full attention
+(``full_attention``); dense SwiGLU MLP; every RMSNorm except the GDN output norm scales by (1 + w).
+"""
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from truespec.layers.attention import PagedAttention
+from truespec.layers.gdn import GatedDeltaNet
+from truespec.layers.mlp import GatedMLP
+from truespec.layers.norm import RMSNorm
+from truespec.layers.rotary import apply_rotary, rope_from_config
+from truespec.models.base import CausalLM
+
+_LAYER_TYPES = ("linear_attention", "full_attention")
+
+
+class Qwen3_5Attention(nn.Module):
+    """Gated attention: q_proj gives [q_h | gate_h] per head; (1+w) q/k norm; partial RoPE; GQA;
+    output * sigmoid(gate) -> o_proj."""
+
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = config.head_dim
+        hidden, bias = config.hidden_size, bool(config.attention_bias)
+        self.q_proj = nn.Linear(hidden, 2 * self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=bias)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, unit_offset=True)
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, unit_offset=True)
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        # x: [T, hidden]; cos/sin: [T, rotary_dim]
+        q, gate = self.q_proj(x).unflatten(-1, (self.num_heads, 2 * self.head_dim)).chunk(2, dim=-1)
+        k = self.k_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim))
+        v = self.v_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim))
+        q, k = apply_rotary(self.q_norm(q), cos, sin), apply_rotary(self.k_norm(k), cos, sin)
+        out = self.attn(q, k, v).flatten(-2) * torch.sigmoid(gate.flatten(-2))  # [T, H*D]
+        return self.o_proj(out)
+
+
+class Qwen3_5DecoderLayer(nn.Module):
+    def __init__(self, config: Any, layer_type: str) -> None:
+        super().__init__()
+        self.layer_type = layer_type
+        if layer_type == "linear_attention":
+            self.linear_attn = GatedDeltaNet(
+                config.hidden_size,
+                config.linear_num_key_heads,
+                config.linear_num_value_heads,
+                config.linear_key_head_dim,
+                config.linear_value_head_dim,
+                config.linear_conv_kernel_dim,
+                config.rms_norm_eps,
+                config.hidden_act,
+            )
+        else:
+            self.self_attn = Qwen3_5Attention(config)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, unit_offset=True)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, unit_offset=True)
+
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = self.input_layernorm(h)
+        is_linear = self.layer_type == "linear_attention"
+        h = h + (self.linear_attn(x) if is_linear else self.self_attn(x, cos, sin))
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Qwen3_5TextModel(nn.Module):
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        unknown = sorted(set(config.layer_types) - set(_LAYER_TYPES))
+        if unknown:
+            raise ValueError(f"qwen3_5: unsupported layer_types {unknown}; supported: {list(_LAYER_TYPES)}")
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        layer_types = config.layer_types[: config.num_hidden_layers]
+        self.layers = nn.ModuleList([Qwen3_5DecoderLayer(config, t) for t in layer_types])
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, unit_offset=True)
+        self.rotary_emb = rope_from_config(config, config.head_dim)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        h = self.embed_tokens(input_ids)
+        cos, sin = self.rotary_emb(positions, h.dtype)
+        for layer in self.layers:
+            h = layer(h, cos, sin)
+        return self.norm(h)
+
+
+class Qwen3_5ForCausalLM(CausalLM):
+    def __init__(self, config: Any, tie_word_embeddings: bool | None = None) -> None:
+        super().__init__()
+        self.model = Qwen3_5TextModel(config)
+        # Multimodal checkpoints decide tying in the outer config (as transformers does): the loader passes it.
+        tied = config.tie_word_embeddings if tie_word_embeddings is None else tie_word_embeddings
+        self.lm_head = None if tied else nn.Linear(config.hidden_size, config.vocab_size, bias=False)

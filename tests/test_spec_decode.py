@@ -1,0 +1,149 @@
+"""Speculative decoding is lossless: in float64, every configuration gives the tokens of the run
+without speculation (invariants 1, 2, 4), including mixed steps where some requests verify drafts,
+some have none and some are still prefilling, and under preemption."""
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from test_engine_exactness import BATCH_LENGTHS, random_prompts
+from truespec import LLM, SamplingParams
+from truespec.engine.sequence import Sequence
+
+MAX_TOKENS = 24
+
+
+class OracleProposer:
+    """Drafts the reference continuation, cut to a length that changes every step (0..k, so a request
+    alternates drafts / no drafts) and with one token corrupted at a changing position: every prefix
+    length gets accepted at some step, which exercises the state hand-off after each of them."""
+
+    def __init__(self, reference: dict[tuple[int, ...], list[int]], k: int, vocab: int) -> None:
+        self.reference, self.k, self.vocab, self.calls = reference, k, vocab, 0
+        self.rng = random.Random(k)
+
+    def propose(self, seqs: list[Sequence]) -> None:
+        for seq in seqs:
+            self.calls += 1
+            ref = self.reference[tuple(seq.prompt_token_ids)][len(seq.output_token_ids):]
+            drafts = ref[: self.rng.choice([0, self.k, self.rng.randrange(self.k + 1)])]
+            bad = self.rng.randrange(2 * self.k + 1)  # >= len(drafts) about half of the time: all accepted
+            if bad < len(drafts):
+                drafts[bad] = (drafts[bad] + 1) % self.vocab
+            seq.draft_token_ids, seq.draft_probs = drafts, None
+
+
+def greedy(max_tokens: int = MAX_TOKENS, **kw: object) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **kw)
+
+
+def generate(llm: LLM, prompts: list[dict], params: SamplingParams | list[SamplingParams]) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def spec_llm(model_dir: Path, k: int, **kw: object) -> LLM:
+    config = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    return LLM(str(model_dir), dtype="float64", device="cpu", max_model_len=400, speculative_config=config, **kw)
+
+
+@pytest.fixture(scope="module")
+def references(tiny_models: dict[str, Path]) -> dict[str, tuple[list[dict], list[list[int]]]]:
+    prompts = random_prompts(BATCH_LENGTHS, seed=4)
+    refs = {}
+    for arch in ("hybrid", "qwen3"):
+        llm = LLM(str(tiny_models[arch]), dtype="float64", device="cpu", max_model_len=400)
+        refs[arch] = (prompts, generate(llm, prompts, greedy()))
+    return refs
+
+
+@pytest.mark.parametrize("arch", ["hybrid", "qwen3"])
+@pytest.mark.parametrize("k", [1, 3, 8])
+@pytest.mark.parametrize("pool", ["roomy", "preempting"])
+def test_mixed_batch_state_after_acceptance(tiny_models: dict[str, Path], references: dict, arch: str, k: int,
+                                            pool: str) -> None:
+    prompts, ref = references[arch]
+    kw = {"num_gpu_blocks_override": 28, "max_num_batched_tokens": 48} if pool == "preempting" else \
+        {"max_num_batched_tokens": 12}  # 1 + k fits, so a verify of every length can run beside prefill chunks
+    llm = spec_llm(tiny_models[arch], k, **kw)
+    oracle = OracleProposer({tuple(p["prompt_token_ids"]): r for p, r in zip(prompts, ref, strict=True)}, k, 300)
+    llm.llm_engine.proposer = oracle
+    assert generate(llm, prompts, greedy()) == ref
+    metrics = llm.get_metrics()
+    assert all(n > 0 for n in metrics["num_accepted_tokens_per_pos"]), metrics  # every prefix length accepted
+    assert metrics["num_drafts"] < oracle.calls  # some steps had no drafts
+    if pool == "preempting":
+        assert llm.llm_engine.scheduler.num_preemptions > 0
+    info = llm.cache_info()
+    assert info["num_free_blocks"] == info["num_blocks"] and info["num_free_state_slots"] == info["num_state_slots"]
+
+
+@pytest.mark.parametrize("arch", ["hybrid", "qwen3"])
+@pytest.mark.parametrize("k", [1, 3, 8])
+def test_ngram_is_lossless(tiny_models: dict[str, Path], arch: str, k: int) -> None:
+    g = torch.Generator().manual_seed(k)
+    prompts = [{"prompt_token_ids": (torch.randint(1, 300, (max(2, n // 3),), generator=g).tolist() * 4)[:n]}
+               for n in BATCH_LENGTHS]
+    base = LLM(str(tiny_models[arch]), dtype="float64", device="cpu", max_model_len=400)
+    llm = spec_llm(tiny_models[arch], k, max_num_batched_tokens=8)
+    assert generate(llm, prompts, greedy()) == generate(base, prompts, greedy())
+    assert llm.get_metrics()["num_drafts"] > 0
+
+
+def oracle_all_accepted(tiny_models: dict[str, Path], references: dict) -> tuple[LLM, list[dict], list[list[int]]]:
+    prompts, ref = references["hybrid"]
+    llm = spec_llm(tiny_models["hybrid"], 8)
+
+    class FullOracle(OracleProposer):
+        def propose(self, seqs: list[Sequence]) -> None:
+            for seq in seqs:
+                seq.draft_token_ids = self.reference[tuple(seq.prompt_token_ids)][len(seq.output_token_ids):][:8]
+                seq.draft_probs = None
+
+    llm.llm_engine.proposer = FullOracle({tuple(p["prompt_token_ids"]): r for p, r in zip(prompts, ref, strict=True)},
+                                         8, 300)
+    return llm, prompts[:4], ref[:4]
+
+
+def test_max_tokens_inside_an_accepted_run(tiny_models: dict[str, Path], references: dict) -> None:
+    llm, prompts, ref = oracle_all_accepted(tiny_models, references)
+    for m in range(1, 12):
+        assert generate(llm, prompts, greedy(max_tokens=m)) == [r[:m] for r in ref]
+
+
+def test_stop_token_and_eos_inside_an_accepted_run(tiny_models: dict[str, Path], references: dict) -> None:
+    llm, prompts, ref = oracle_all_accepted(tiny_models, references)
+    base = LLM(str(tiny_models["hybrid"]), dtype="float64", device="cpu", max_model_len=400)
+    for j in range(1, 12):
+        params = [greedy(stop_token_ids=[r[j]]) for r in ref]
+        assert generate(llm, prompts, params) == generate(base, prompts, params)
+        ours = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+        assert all(o.finish_reason == "stop" for o in ours)
+    for j in range(1, 12):  # EOS: the engine's EOS set, not ignored
+        for engine in (llm.llm_engine, base.llm_engine):
+            engine.stop_checker.eos_token_ids = {ref[0][j]}
+        params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+        assert generate(llm, prompts[:1], params) == generate(base, prompts[:1], params)
+
+
+def test_stop_string_inside_an_accepted_run(tiny_models: dict[str, Path], references: dict) -> None:
+    llm, prompts, ref = oracle_all_accepted(tiny_models, references)
+    base = LLM(str(tiny_models["hybrid"]), dtype="float64", device="cpu", max_model_len=400)
+    tokenizer = llm.get_tokenizer()
+    text = tokenizer.decode(ref[0])
+    for start in range(0, min(len(text) - 2, 30), 3):
+        params = greedy(stop=text[start:start + 2])
+        a = llm.generate(prompts[:1], params, use_tqdm=False)[0].outputs[0]
+        b = base.generate(prompts[:1], params, use_tqdm=False)[0].outputs[0]
+        assert (a.text, a.token_ids, a.finish_reason) == (b.text, b.token_ids, b.finish_reason)
+
+
+def test_seeded_random_sampling_with_speculation_is_batch_invariant(tiny_models: dict[str, Path],
+                                                                    references: dict) -> None:
+    prompts, _ = references["hybrid"]
+    params = [SamplingParams(temperature=1.0, seed=7 + i, max_tokens=16, ignore_eos=True) for i in range(len(prompts))]
+    llm = spec_llm(tiny_models["hybrid"], 3, max_num_batched_tokens=16)
+    together = generate(llm, prompts, params)
+    solo = [generate(llm, [p], sp)[0] for p, sp in zip(prompts, params, strict=True)]
+    assert together == solo
