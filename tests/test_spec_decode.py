@@ -10,7 +10,8 @@ import torch
 
 from test_engine_exactness import BATCH_LENGTHS, random_prompts
 from truespec import LLM, SamplingParams
-from truespec.engine.sequence import Sequence
+from truespec.engine.model_runner import StepOutput
+from truespec.engine.scheduler import ScheduledSeq
 
 MAX_TOKENS = 24
 
@@ -24,8 +25,8 @@ class OracleProposer:
         self.reference, self.k, self.vocab, self.calls = reference, k, vocab, 0
         self.rng = random.Random(k)
 
-    def propose(self, seqs: list[Sequence]) -> None:
-        for seq in seqs:
+    def propose(self, scheduled: list[ScheduledSeq], step: StepOutput) -> None:
+        for seq in [s.seq for s, tokens in zip(scheduled, step.tokens, strict=True) if tokens]:
             self.calls += 1
             ref = self.reference[tuple(seq.prompt_token_ids)][len(seq.output_token_ids):]
             drafts = ref[: self.rng.choice([0, self.k, self.rng.randrange(self.k + 1)])]
@@ -96,8 +97,8 @@ def oracle_all_accepted(tiny_models: dict[str, Path], references: dict) -> tuple
     llm = spec_llm(tiny_models["hybrid"], 8)
 
     class FullOracle(OracleProposer):
-        def propose(self, seqs: list[Sequence]) -> None:
-            for seq in seqs:
+        def propose(self, scheduled: list[ScheduledSeq], step: StepOutput) -> None:
+            for seq in [s.seq for s, tokens in zip(scheduled, step.tokens, strict=True) if tokens]:
                 seq.draft_token_ids = self.reference[tuple(seq.prompt_token_ids)][len(seq.output_token_ids):][:8]
                 seq.draft_probs = None
 

@@ -58,7 +58,10 @@ def _per_prompt(sampling_params: SamplingParams | Seq[SamplingParams] | None, n:
 
 
 def _request_output(seq: Sequence) -> RequestOutput:
-    out = CompletionOutput(0, seq.output_text, list(seq.output_token_ids), seq.finish_reason, seq.stop_reason)
+    logprobs = list(seq.output_logprobs) if seq.params.logprobs is not None else None
+    cumulative = sum(lp[t] for lp, t in zip(logprobs, seq.output_token_ids, strict=True)) if logprobs else None
+    out = CompletionOutput(0, seq.output_text, list(seq.output_token_ids), seq.finish_reason, seq.stop_reason,
+                           cumulative, logprobs)
     return RequestOutput(seq.request_id, seq.prompt, list(seq.prompt_token_ids), [out], finished=True)
 
 

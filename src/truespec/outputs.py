@@ -11,6 +11,7 @@ class CompletionOutput:
     finish_reason: str | None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None  # the stop string or stop token that ended it, if any
     cumulative_logprob: float | None = None
+    logprobs: list[dict[int, float]] | None = None  # per output token: {token_id: logprob} (raw logits)
 
 
 @dataclass

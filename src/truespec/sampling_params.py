@@ -18,6 +18,7 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    logprobs: int | None = None  # return the sampled token's and this many top tokens' log-probabilities
 
     def __post_init__(self) -> None:
         self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -36,6 +37,8 @@ class SamplingParams:
                self.min_tokens)
         _check(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
                f"must be <= max_tokens ({self.max_tokens})", self.min_tokens)
+        _check(self.logprobs is None or (_is_int(self.logprobs) and self.logprobs >= 0), "logprobs",
+               "must be None or >= 0", self.logprobs)
         _check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings",
                self.stop)
         _check(all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",

@@ -42,6 +42,7 @@ class LLMEngine:
         self.proposer = make_proposer(config.speculative_config)
         self.spec_metrics = SpecDecodeMetrics(k)
         self.seqs: dict[str, Sequence] = {}
+        self.fault_stale_state_after_accept = False  # test hook: reproduces vLLM #40738 (state from slot 0)
         self._ids = itertools.count()
 
     # ---- requests ------------------------------------------------------------------------------
@@ -88,24 +89,27 @@ class LLMEngine:
         out = self.scheduler.schedule()
         if not out.scheduled:
             return []
-        sampled = self.runner.execute(out.scheduled, self.block_manager, self.state_manager, self.stop_checker)
-        finished = [s.seq for s, tokens in zip(out.scheduled, sampled, strict=True) if self._postprocess(s, tokens)]
+        step = self.runner.execute(out.scheduled, self.block_manager, self.state_manager, self.stop_checker)
+        finished = [s.seq for s, tokens, logprobs in zip(out.scheduled, step.tokens, step.logprobs, strict=True)
+                    if self._postprocess(s, tokens, logprobs)]
         if self.proposer is not None:  # requests that got a new token decode next: draft for them
-            self.proposer.propose([s.seq for s, tokens in zip(out.scheduled, sampled, strict=True)
-                                   if tokens and not s.seq.is_finished])
+            self.proposer.propose(out.scheduled, step)
         return finished
 
-    def _postprocess(self, s: ScheduledSeq, tokens: list[int]) -> bool:
+    def _postprocess(self, s: ScheduledSeq, tokens: list[int], logprobs: list[dict[int, float]] | None) -> bool:
         """Advance the request past what was verified; append its new tokens. True if it finished."""
         seq = s.seq
         num_accepted = max(len(tokens) - 1, 0)
         seq.num_computed_tokens += s.num_new_tokens + num_accepted
-        seq.state_index = num_accepted  # the slot holding the state after the last accepted token
+        # the slot holding the state after the last accepted token (a fault hook can break it, for tests)
+        seq.state_index = 0 if self.fault_stale_state_after_accept else num_accepted
         if tokens:  # the last chunk ran: its drafts are used up
             seq.draft_token_ids, seq.draft_probs = [], None
             self.spec_metrics.observe(len(s.draft_token_ids), num_accepted)
-        for token in tokens:
+        for i, token in enumerate(tokens):
             seq.output_token_ids.append(token)
+            if logprobs is not None:
+                seq.output_logprobs.append(logprobs[i])
             reason = self.stop_checker.check(seq)
             if reason is not None:  # nothing after the stop leaks out
                 self.scheduler.finish(seq, reason)

@@ -4,6 +4,8 @@ Owns the device-side caches: paged KV for every attention layer and recurrent-st
 every GDN layer, bound to the layers once at start-up.
 """
 
+from dataclasses import dataclass, field
+
 import torch
 
 from truespec.engine.block_manager import BlockManager
@@ -14,6 +16,14 @@ from truespec.engine.stop_checker import StopChecker
 from truespec.forward_context import ForwardContext, set_forward_context
 from truespec.layers.rejection_sampler import rejection_sample
 from truespec.sampling_params import SamplingParams
+
+
+@dataclass
+class StepOutput:
+    tokens: list[list[int]] = field(default_factory=list)  # per request: accepted drafts + 1 new token, or []
+    logprobs: list[list[dict[int, float]] | None] = field(default_factory=list)  # per emitted token, if asked
+    hidden: torch.Tensor | None = None  # [num_tokens, hidden_size] the target's final hidden states
+    query_start_loc: list[int] = field(default_factory=list)  # request r's rows in ``hidden``
 
 
 class ModelRunner:
@@ -53,28 +63,31 @@ class ModelRunner:
     # ---- one step --------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledSeq], blocks: BlockManager, states: StateManager,
-                stop_checker: StopChecker) -> list[list[int]]:
-        """Run one step. For each request whose last chunk ran: its accepted drafts plus one new token
-        (just the new token without drafts); [] for a request still prefilling."""
+                stop_checker: StopChecker) -> StepOutput:
+        """Run one step: the target scores every request's tokens (and drafts); sample / verify."""
         input_ids, positions, ctx = self.prepare(scheduled, blocks, states)
         with set_forward_context(ctx):
             hidden = self.model(input_ids, positions)
             logits = self.model.compute_logits(hidden[ctx.logits_indices])
         logits = logits if logits.dtype == torch.float64 else logits.float()
-        results: list[list[int]] = []
+        out = StepOutput(hidden=hidden, query_start_loc=ctx.query_start_loc_cpu)
         row = 0
         for s in scheduled:
             if not s.is_last_chunk:
-                results.append([])
+                out.tokens.append([])
+                out.logprobs.append(None)
                 continue
             drafts, seq = s.draft_token_ids, s.seq
             rows = logits[row:row + 1 + len(drafts)]
             row += 1 + len(drafts)
+            raw = torch.log_softmax(rows, dim=-1) if seq.params.logprobs is not None else None
             for i in range(len(rows)):  # min_tokens: position i would be output token len(output) + i
                 rows[i, stop_checker.banned_token_ids(seq, offset=i)] = float("-inf")
             probs = None if seq.draft_probs is None else seq.draft_probs[:len(drafts)]
-            results.append(rejection_sample(rows, drafts, probs, seq.params, self._generator(seq)))
-        return results
+            tokens = rejection_sample(rows, drafts, probs, seq.params, self._generator(seq))
+            out.tokens.append(tokens)
+            out.logprobs.append(None if raw is None else _top_logprobs(raw, tokens, seq.params.logprobs))
+        return out
 
     def prepare(self, scheduled: list[ScheduledSeq], blocks: BlockManager,
                 states: StateManager) -> tuple[torch.Tensor, torch.Tensor, ForwardContext]:
@@ -123,6 +136,17 @@ class ModelRunner:
 
     def release(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
+
+
+def _top_logprobs(logprobs: torch.Tensor, tokens: list[int], num: int) -> list[dict[int, float]]:
+    """For each emitted token: its log-probability and the ``num`` most likely tokens' (raw logits)."""
+    out = []
+    for row, token in zip(logprobs, tokens, strict=False):
+        top = torch.topk(row, num) if num > 0 else None
+        entry = {} if top is None else dict(zip(top.indices.tolist(), top.values.tolist(), strict=True))
+        entry[token] = float(row[token])
+        out.append(entry)
+    return out
 
 
 def _request_seed(params: SamplingParams, engine_seed: int, counter: int) -> int:

@@ -18,6 +18,7 @@ class Sequence:
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
+        self.output_logprobs: list[dict[int, float]] = []  # when params.logprobs is set
         self.params = params
         self.max_output_len = max_output_len  # min(max_tokens, max_model_len - prompt_len)
         self.status = SequenceStatus.WAITING

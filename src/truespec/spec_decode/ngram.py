@@ -1,6 +1,7 @@
 """Prompt-lookup (n-gram) drafting: find the longest suffix n-gram seen earlier, propose what followed."""
 
-from truespec.engine.sequence import Sequence
+from truespec.engine.model_runner import StepOutput
+from truespec.engine.scheduler import ScheduledSeq
 
 
 class NgramProposer:
@@ -9,9 +10,12 @@ class NgramProposer:
         self.min_n = prompt_lookup_min
         self.max_n = prompt_lookup_max
 
-    def propose(self, seqs: list[Sequence]) -> None:
-        """Set the drafts each decoding request verifies in its next step (ngram drafts are one-hot)."""
-        for seq in seqs:
+    def propose(self, scheduled: list[ScheduledSeq], step: StepOutput) -> None:
+        """Set the drafts each request that just got a new token verifies next (ngram drafts are one-hot)."""
+        for s, tokens in zip(scheduled, step.tokens, strict=True):
+            seq = s.seq
+            if not tokens or seq.is_finished:
+                continue
             seq.draft_token_ids = self.lookup(seq.token_ids, self.k)
             seq.draft_probs = None
 
