@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from truespec.engine.block_manager import BlockManager
+from truespec.engine.context_builder import ContextRow, build_forward_context
 from truespec.engine.scheduler import ScheduledSeq
 from truespec.engine.sequence import Sequence
 from truespec.engine.state_manager import StateManager
@@ -93,31 +94,16 @@ class ModelRunner:
                 states: StateManager) -> tuple[torch.Tensor, torch.Tensor, ForwardContext]:
         input_ids: list[int] = []
         positions: list[int] = []
-        slot_mapping: list[int] = []
-        query_start_loc = [0]
-        seq_lens, state_src, state_dst, write_start, logits_indices = [], [], [], [], []
+        rows = []
         for s in scheduled:
-            seq, start, q = s.seq, s.seq.num_computed_tokens, s.query_len
+            seq, start = s.seq, s.seq.num_computed_tokens
             input_ids += seq.token_ids[start:start + s.num_new_tokens] + s.draft_token_ids
-            positions += range(start, start + q)
-            slot_mapping += (blocks.slot(seq, p) for p in range(start, start + q))
-            query_start_loc.append(query_start_loc[-1] + q)
-            seq_lens.append(start + q)
-            state_src.append(states.current_slot(seq))
-            state_dst.append(states.first_slot(seq))
+            positions += range(start, start + s.query_len)
             # keep the state after the last sequence token and after every draft (invariant 2)
-            write_start.append(s.num_new_tokens - 1)
-            if s.is_last_chunk:
-                logits_indices += range(query_start_loc[-1] - 1 - len(s.draft_token_ids), query_start_loc[-1])
-        width = max(len(s.seq.block_ids) for s in scheduled)
-        tables = [s.seq.block_ids + [-1] * (width - len(s.seq.block_ids)) for s in scheduled]
-        t = self._tensor
-        ctx = ForwardContext(
-            query_start_loc=t(query_start_loc), seq_lens=t(seq_lens), slot_mapping=t(slot_mapping),
-            block_tables=t(tables), state_src=t(state_src), state_dst=t(state_dst),
-            state_write_start=t(write_start), logits_indices=t(logits_indices),
-            query_start_loc_cpu=query_start_loc, seq_lens_cpu=seq_lens)
-        return t(input_ids), t(positions), ctx
+            rows.append(ContextRow(seq.block_ids, start, s.query_len, states.current_slot(seq), states.first_slot(seq),
+                                   s.num_new_tokens - 1, 1 + len(s.draft_token_ids) if s.is_last_chunk else 0))
+        ctx = build_forward_context(rows, blocks.block_size, self.device)
+        return self._tensor(input_ids), self._tensor(positions), ctx
 
     def _tensor(self, values: list) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64, device=self.device)

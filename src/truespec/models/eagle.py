@@ -1,0 +1,84 @@
+"""EAGLE-style draft head: target hidden state + token embedding -> one decoder layer -> target lm_head.
+
+For position t with the target's final-normed hidden h_t and the next token x_{t+1}:
+x = fc(cat[embed(x_{t+1}), h_t]) (embedding shared with the target), one Qwen3-style decoder layer with
+its own KV cache (RoPE position t), ``norm``, the target's lm_head -> x_{t+2}; for k > 1 the head runs
+again on its own output. A head is a directory: ``config.json`` (``model_type: truespec_eagle`` and the
+decoder layer's Qwen3 config under ``layer_config``) and ``model.safetensors`` (``fc.*``, ``layers.0.*``,
+``norm.*``).
+"""
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+from torch import nn
+from transformers import Qwen3Config
+
+from truespec.layers.norm import RMSNorm
+from truespec.layers.rotary import rope_from_config
+from truespec.models.base import CausalLM
+from truespec.models.llama import LlamaDecoderLayer, head_dim_of
+from truespec.models.mtp import load_state
+
+MODEL_TYPE = "truespec_eagle"
+
+
+class EagleHead(nn.Module):
+    uses_target_hidden = True
+
+    def __init__(self, config: Any, target: CausalLM | None) -> None:
+        super().__init__()
+        h = config.hidden_size
+        self.config = config
+        self.fc = nn.Linear(2 * h, h, bias=False)
+        self.layers = nn.ModuleList([LlamaDecoderLayer(config, qk_norm=True)])
+        self.norm = RMSNorm(h, config.rms_norm_eps)
+        self.rotary_emb = rope_from_config(config, head_dim_of(config))
+        self._target = [target]  # shared embedding and lm_head, not registered as a submodule
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        # input_ids, positions: [T]; hidden: [T, H] the target's (or this head's previous) normed hidden
+        x = self.fc(torch.cat([self._target[0].embed_tokens(input_ids), hidden], dim=-1))
+        cos, sin = self.rotary_emb(positions, x.dtype)
+        for layer in self.layers:
+            x = layer(x, cos, sin)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self._target[0].compute_logits(hidden)
+
+
+def save_eagle_head(head: EagleHead, directory: str | Path, dtype: torch.dtype = torch.bfloat16) -> None:
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    config = {"model_type": MODEL_TYPE, "architectures": ["EagleHead"], "layer_config": head.config.to_dict()}
+    (out / "config.json").write_text(json.dumps(config, indent=2, default=str))
+    save_file({k: v.detach().to(dtype).contiguous().cpu() for k, v in head.state_dict().items()},
+              str(out / "model.safetensors"))
+
+
+def load_eagle_head(directory: str | Path, target: CausalLM, hidden_size: int) -> EagleHead:
+    root = Path(directory)
+    if not (root / "config.json").is_file():
+        raise FileNotFoundError(f"EAGLE head directory has no config.json: {root}")
+    raw = json.loads((root / "config.json").read_text())
+    if raw.get("model_type") != MODEL_TYPE or "layer_config" not in raw:
+        raise ValueError(f"{root / 'config.json'} is not an EAGLE head (model_type must be {MODEL_TYPE!r})")
+    config = Qwen3Config(**raw["layer_config"])
+    if config.hidden_size != hidden_size:
+        raise ValueError(f"EAGLE head hidden_size {config.hidden_size} != the target's {hidden_size}")
+    try:
+        weights = load_file(str(root / "model.safetensors"))
+    except (SafetensorError, OSError, FileNotFoundError) as e:
+        raise ValueError(f"cannot read {root / 'model.safetensors'}: {e}") from e
+    device = target.embed_tokens.weight.device
+    with torch.device("meta"):
+        head = EagleHead(config, target)
+    head = head.to(target.dtype).to_empty(device=device)
+    load_state(head, {k: v.to(device=device, dtype=target.dtype) for k, v in weights.items()}, "")
+    head.rotary_emb.init_buffers(device)
+    return head.eval().requires_grad_(False)
