@@ -59,3 +59,47 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         save_tokenizer(root / name, VOCAB - 8)
         dirs[name] = root / name
     return dirs
+
+
+def _add_random_mtp(model_dir: Path) -> None:
+    """Append random ``mtp.*`` tensors (Qwen3.5 naming) to a saved hybrid checkpoint."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoConfig
+
+    from truespec.models.mtp import MTPHead
+
+    config = AutoConfig.from_pretrained(model_dir)
+    torch.manual_seed(1)
+    head = MTPHead(config, target=None).to(torch.float64)
+    weights = load_file(str(model_dir / "model.safetensors"))
+    for name, tensor in head.state_dict().items():
+        weights["mtp." + name] = tensor.normal_(0, 0.3) if "norm" not in name else tensor.uniform_(-0.2, 0.2)
+    save_file(weights, str(model_dir / "model.safetensors"), metadata={"format": "pt"})
+
+
+def _random_eagle_head(out: Path, target_config: object) -> None:
+    from transformers import Qwen3Config
+
+    from truespec.models.eagle import EagleHead, save_eagle_head
+
+    layer = Qwen3Config(hidden_size=target_config.hidden_size, intermediate_size=40, num_attention_heads=2,
+                        num_key_value_heads=1, head_dim=12, vocab_size=VOCAB, max_position_embeddings=1024)
+    torch.manual_seed(2)
+    head = EagleHead(layer, target=None).to(torch.float64)
+    for name, p in head.named_parameters():
+        p.data.normal_(0, 0.3) if "norm" not in name else p.data.uniform_(0.8, 1.2)
+    save_eagle_head(head, out, dtype=torch.float64)
+
+
+@pytest.fixture(scope="session")
+def hybrid_with_heads(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """A hybrid checkpoint with random MTP weights, and a random EAGLE head for it."""
+    import shutil
+
+    from transformers import AutoConfig
+
+    root = tmp_path_factory.mktemp("heads")
+    shutil.copytree(tiny_models["hybrid"], root / "hybrid_mtp")
+    _add_random_mtp(root / "hybrid_mtp")
+    _random_eagle_head(root / "eagle", AutoConfig.from_pretrained(tiny_models["hybrid"]))
+    return {"target": root / "hybrid_mtp", "eagle": root / "eagle"}

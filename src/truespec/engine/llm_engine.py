@@ -25,7 +25,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.device = _resolve_device(config.device)
-        loaded = load_model(config.model, config.dtype, self.device)
+        self.loaded = loaded = load_model(config.model, config.dtype, self.device)
         self.hf_config, self.dtype, self.mtp_weights = loaded.hf_config, loaded.dtype, loaded.mtp_weights
         self.tokenizer = load_tokenizer(config.tokenizer or config.model)
         self.max_model_len = resolve_max_model_len(config, self.hf_config)
@@ -39,7 +39,8 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, self.state_manager, config.max_num_seqs,
                                    config.max_num_batched_tokens)
         self.stop_checker = StopChecker(self.tokenizer, self.hf_config, config.model)
-        self.proposer = make_proposer(config.speculative_config)
+        self.proposer = make_proposer(config.speculative_config, loaded, self.block_manager, self.state_manager,
+                                      self.device, config.seed)
         self.spec_metrics = SpecDecodeMetrics(k)
         self.seqs: dict[str, Sequence] = {}
         self.fault_stale_state_after_accept = False  # test hook: reproduces vLLM #40738 (state from slot 0)

@@ -21,6 +21,10 @@ class ScheduledSeq:
     seq: Sequence
     num_new_tokens: int  # tokens of the sequence computed this step (prefill chunk, or 1 for a decode)
     draft_token_ids: list[int] = field(default_factory=list)  # drafts verified after them (decodes only)
+    start: int = field(init=False)  # tokens the request had cached when scheduled
+
+    def __post_init__(self) -> None:
+        self.start = self.seq.num_computed_tokens
 
     @property
     def query_len(self) -> int:
@@ -126,6 +130,7 @@ class Scheduler:
         self.running.remove(seq)
         self._release(seq)
         seq.num_computed_tokens = 0  # its drafts stay: they ride on the last chunk of the re-prefill
+        seq.num_drafter_computed_tokens = 0
         seq.num_preemptions += 1
         self.num_preemptions += 1
         seq.status = SequenceStatus.WAITING

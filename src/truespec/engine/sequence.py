@@ -30,6 +30,7 @@ class Sequence:
         self.state_group: int | None = None  # recurrent-state group (1 + k_max slots)
         self.state_index = 0  # slot inside the group holding the state after the last computed token
         self.num_preemptions = 0
+        self.num_drafter_computed_tokens = 0  # positions in a model drafter's cache
         self.draft_token_ids: list[int] = []  # proposed for the next step's verify
         self.draft_probs = None  # [len(draft_token_ids), vocab] tensor when the drafter sampled, else None
 

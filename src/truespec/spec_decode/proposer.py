@@ -4,9 +4,17 @@ every request that got a new token, to be verified in its next step."""
 
 from typing import Protocol
 
+import torch
+
 from truespec.config import SpeculativeConfig
+from truespec.engine.block_manager import BlockManager
 from truespec.engine.model_runner import StepOutput
 from truespec.engine.scheduler import ScheduledSeq
+from truespec.engine.state_manager import StateManager
+from truespec.models.eagle import load_eagle_head
+from truespec.models.loader import LoadedModel, load_model
+from truespec.models.mtp import load_mtp_head
+from truespec.spec_decode.model_drafter import ModelDrafter
 from truespec.spec_decode.ngram import NgramProposer
 
 
@@ -14,9 +22,25 @@ class Proposer(Protocol):
     def propose(self, scheduled: list[ScheduledSeq], step: StepOutput) -> None: ...
 
 
-def make_proposer(config: SpeculativeConfig | None) -> Proposer | None:
+def make_proposer(config: SpeculativeConfig | None, target: LoadedModel, blocks: BlockManager,
+                  states: StateManager, device: torch.device, seed: int) -> Proposer | None:
     if config is None:
         return None
+    k = config.num_speculative_tokens
     if config.method == "ngram":
-        return NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max)
-    raise ValueError(f"speculative_config.method={config.method!r} is not available in this build yet")
+        return NgramProposer(k, config.prompt_lookup_min, config.prompt_lookup_max)
+    if config.method == "mtp":
+        head = load_mtp_head(target.hf_config, target.model, target.mtp_weights)
+    elif config.method == "eagle":
+        head = load_eagle_head(config.model, target.model, target.hf_config.hidden_size)
+    else:
+        head = _load_draft_model(config.model, target, device)
+    return ModelDrafter(head, k, blocks, states, device, seed)
+
+
+def _load_draft_model(model_dir: str, target: LoadedModel, device: torch.device) -> torch.nn.Module:
+    draft = load_model(model_dir, target.dtype, device)
+    if draft.hf_config.vocab_size != target.hf_config.vocab_size:
+        raise ValueError(f"speculative_config.model {model_dir} has vocab_size {draft.hf_config.vocab_size}, "
+                         f"the target {target.hf_config.vocab_size}: a draft model must share the vocabulary")
+    return draft.model

@@ -1,0 +1,181 @@
+"""Drafting with a network: a draft model, the MTP head or an EAGLE head.
+
+After every target step the drafter *catches up* on what it has not seen yet, in one forward over all
+requests (mixed lengths, like the target's own steps), then drafts k tokens for each request that got a
+new token: the first from its catch-up, then k - 1 single-token steps. Its caches mirror the target's:
+KV in the same paged blocks (the same positions), recurrent state (hybrid draft model) in its own slots of
+the request's group: slot 0 holds the state after the caught-up prefix, slot j the state after draft j.
+Rejected drafts need no rollback: the next catch-up starts again from slot 0 / the verified prefix.
+
+Heads that read the target's hidden states (MTP, EAGLE) catch up on every position the target computed
+in the step whose next token is known (prefill chunks included), since those hidden states exist only
+then; a draft model catches up on all known tokens when it must draft.
+"""
+
+import weakref
+
+import torch
+
+from truespec.engine.block_manager import BlockManager
+from truespec.engine.context_builder import ContextRow, build_forward_context
+from truespec.engine.model_runner import StepOutput
+from truespec.engine.scheduler import ScheduledSeq
+from truespec.engine.sequence import Sequence
+from truespec.engine.state_manager import StateManager
+from truespec.forward_context import set_forward_context
+from truespec.layers.sampler import probabilities
+
+
+class ModelDrafter:
+    def __init__(self, head: torch.nn.Module, k: int, blocks: BlockManager, states: StateManager,
+                 device: torch.device, seed: int) -> None:
+        self.head, self.k, self.blocks, self.states = head, k, blocks, states
+        self.device, self.seed = device, seed
+        self.uses_target_hidden = bool(getattr(head, "uses_target_hidden", False))
+        self._generators: weakref.WeakKeyDictionary[Sequence, torch.Generator] = weakref.WeakKeyDictionary()
+        dtype = next(head.parameters()).dtype
+        for layer in head.attention_layers() if hasattr(head, "attention_layers") else _modules(head, "kv_cache"):
+            layer.kv_cache = torch.zeros(layer.kv_cache_shape(blocks.num_blocks, blocks.block_size), dtype=dtype,
+                                         device=device)
+        for layer in head.gdn_layers() if hasattr(head, "gdn_layers") else []:
+            (conv_shape, ssm_shape), (conv_dtype, ssm_dtype) = layer.state_shapes(), layer.state_dtypes()
+            layer.conv_state = torch.zeros(states.num_slots, *conv_shape, dtype=conv_dtype, device=device)
+            layer.ssm_state = torch.zeros(states.num_slots, *ssm_shape, dtype=ssm_dtype, device=device)
+
+    # ---- the proposer interface --------------------------------------------------------------------
+    @torch.inference_mode()
+    def propose(self, scheduled: list[ScheduledSeq], step: StepOutput) -> None:
+        drafting = [(s, r) for r, (s, tokens) in enumerate(zip(scheduled, step.tokens, strict=True))
+                    if tokens and not s.seq.is_finished]
+        budget = {id(s.seq): self._num_drafts(s.seq) for s, _ in drafting}
+        jobs = [job for r, s in enumerate(scheduled) if (job := self._catch_up_job(s, r, step, budget)) is not None]
+        if not jobs:
+            return
+        hidden = self._forward(jobs)
+        last_rows = torch.tensor([j.last_row for j in jobs], device=self.device)
+        current = [(j.seq, hidden[row]) for j, row in zip(jobs, last_rows.tolist(), strict=True)
+                   if budget.get(id(j.seq), 0) > 0]
+        drafts: dict[int, list[int]] = {id(seq): [] for seq, _ in current}
+        probs: dict[int, list[torch.Tensor]] = {id(seq): [] for seq, _ in current}
+        for j in range(self.k):
+            current = [(seq, h) for seq, h in current if len(drafts[id(seq)]) < budget[id(seq)]]
+            if not current:
+                break
+            if j > 0:  # one more single-token step over the drafts so far
+                current = self._draft_step(current, drafts, j)
+            logits = self.head.compute_logits(torch.stack([h for _, h in current]))
+            for (seq, _), row in zip(current, logits, strict=True):
+                token, q = self._sample(seq, row)
+                drafts[id(seq)].append(token)
+                probs[id(seq)].append(q)
+        for s, _ in drafting:
+            seq = s.seq
+            seq.draft_token_ids = drafts.get(id(seq), [])
+            qs = probs.get(id(seq), [])
+            seq.draft_probs = torch.stack(qs) if qs and qs[0] is not None else None
+
+    # ---- catch-up ------------------------------------------------------------------------------------
+    def _catch_up_job(self, s: ScheduledSeq, r: int, step: StepOutput, budget: dict[int, int]) -> "_Job | None":
+        seq = s.seq
+        if seq.is_finished:
+            return None
+        start = seq.num_drafter_computed_tokens
+        if self.uses_target_hidden:
+            # positions the target computed this step whose next token is known: t in [start, end)
+            end = min(seq.num_computed_tokens, seq.num_tokens - 1)
+            step_start = s.start
+            if start != step_start:  # the head is behind only after a preemption restarted the target too
+                raise RuntimeError(f"{seq.request_id}: drafter at {start}, target step began at {step_start}")
+            ids = seq.token_ids[start + 1:end + 1]
+            rows = list(range(step.query_start_loc[r], step.query_start_loc[r] + end - start))
+            hidden = step.hidden[rows] if rows else None
+        else:
+            if id(seq) not in budget:
+                return None  # a draft model catches up only when it must draft
+            end = seq.num_tokens
+            ids, hidden = seq.token_ids[start:end], None
+        if end <= start:
+            return None
+        return _Job(seq, start, ids, hidden)
+
+    def _forward(self, jobs: "list[_Job]") -> torch.Tensor:
+        rows, input_ids, positions, hidden_in, offset = [], [], [], [], 0
+        for job in jobs:
+            n = len(job.input_ids)
+            base = self.states.first_slot(job.seq)
+            src = base if job.start > 0 else -1  # slot 0: the state after the caught-up prefix
+            rows.append(ContextRow(job.seq.block_ids, job.start, n, src, base, n - 1, 0))
+            input_ids += job.input_ids
+            positions += range(job.start, job.start + n)
+            if job.hidden is not None:
+                hidden_in.append(job.hidden)
+            job.last_row = offset + n - 1
+            offset += n
+            job.seq.num_drafter_computed_tokens = job.start + n
+        ctx = build_forward_context(rows, self.blocks.block_size, self.device)
+        with set_forward_context(ctx):
+            return self._run(_t(input_ids, self.device), _t(positions, self.device),
+                             torch.cat(hidden_in) if hidden_in else None)
+
+    # ---- drafting ------------------------------------------------------------------------------------
+    def _draft_step(self, current: list[tuple[Sequence, torch.Tensor]], drafts: dict[int, list[int]],
+                    j: int) -> list[tuple[Sequence, torch.Tensor]]:
+        """Feed draft j (the latest) of every request at the position after the previous one."""
+        rows, input_ids, positions = [], [], []
+        for seq, _ in current:
+            pos = seq.num_drafter_computed_tokens - 1 + j
+            base = self.states.first_slot(seq)
+            rows.append(ContextRow(seq.block_ids, pos, 1, base + j - 1, base + j, 0, 0))
+            input_ids.append(drafts[id(seq)][-1])
+            positions.append(pos)
+        ctx = build_forward_context(rows, self.blocks.block_size, self.device)
+        hidden_in = torch.stack([h for _, h in current]) if self.uses_target_hidden else None
+        with set_forward_context(ctx):
+            out = self._run(_t(input_ids, self.device), _t(positions, self.device), hidden_in)
+        return [(seq, out[i]) for i, (seq, _) in enumerate(current)]
+
+    def _run(self, input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor | None) -> torch.Tensor:
+        return self.head(input_ids, positions, hidden) if self.uses_target_hidden else self.head(input_ids, positions)
+
+    def _num_drafts(self, seq: Sequence) -> int:
+        """k, within what the request may still emit and the KV blocks that can be had for the drafts."""
+        want = max(0, min(self.k, seq.max_output_len - len(seq.output_token_ids) - 1))
+        # positions written: catch-up up to num_tokens - 1 (draft model), drafts up to num_tokens + want - 2
+        needed = seq.num_tokens + want - 1 - seq.num_computed_tokens
+        if want and not self.blocks.can_allocate(seq, needed):
+            capacity = (len(seq.block_ids) + self.blocks.num_free_blocks) * self.blocks.block_size
+            want = max(0, min(want, capacity - seq.num_tokens + 1))
+            needed = seq.num_tokens + want - 1 - seq.num_computed_tokens
+        if want:
+            self.blocks.allocate(seq, needed)
+        return want
+
+    def _sample(self, seq: Sequence, logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:
+        logits = logits if logits.dtype == torch.float64 else logits.float()
+        if seq.params.is_greedy:
+            return int(torch.argmax(logits)), None
+        q = probabilities(logits, seq.params)
+        return int(torch.multinomial(q, 1, generator=self._generator(seq))), q
+
+    def _generator(self, seq: Sequence) -> torch.Generator:
+        gen = self._generators.get(seq)
+        if gen is None:
+            gen = torch.Generator(device=self.device)
+            base = seq.params.seed if seq.params.seed is not None else self.seed * 1_000_003 + int(seq.request_id)
+            gen.manual_seed((base * 7919 + 17) % (2**63))  # a stream apart from the target's sampling
+            self._generators[seq] = gen
+        return gen
+
+
+class _Job:
+    def __init__(self, seq: Sequence, start: int, input_ids: list[int], hidden: torch.Tensor | None) -> None:
+        self.seq, self.start, self.input_ids, self.hidden = seq, start, input_ids, hidden
+        self.last_row = -1
+
+
+def _t(values: list[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int64, device=device)
+
+
+def _modules(head: torch.nn.Module, attribute: str) -> list[torch.nn.Module]:
+    return [m for m in head.modules() if hasattr(m, attribute) and hasattr(m, "kv_cache_shape")]

@@ -1,0 +1,86 @@
+"""Every speculative method (ngram, draft_model, mtp, eagle) x k in {1, 3, 8} x {one request; >= 8
+heterogeneous requests with max_num_batched_tokens=8, so prefill chunks, drafted verifies and plain decodes
+share steps; a KV pool small enough to preempt}: float64 greedy output equals the run without speculation."""
+
+from pathlib import Path
+
+import pytest
+from test_engine_exactness import BATCH_LENGTHS, random_prompts
+
+from truespec import LLM, SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+SHAPES = {"single": {}, "mixed": {"max_num_batched_tokens": 8},
+          "preempting": {"num_gpu_blocks_override": 28, "max_num_batched_tokens": 48}}
+
+
+def spec_config(method: str, k: int, models: dict[str, Path], target: Path) -> dict:
+    config = {"method": method, "num_speculative_tokens": k}
+    if method == "ngram":
+        config.update(prompt_lookup_min=1, prompt_lookup_max=3)
+    elif method == "draft_model":
+        config["model"] = str(models["qwen3_draft"])
+    elif method == "eagle":
+        config["model"] = str(models["eagle"])
+    return config
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_models: dict[str, Path], hybrid_with_heads: dict[str, Path]) -> dict:
+    target = hybrid_with_heads["target"]
+    prompts = random_prompts(BATCH_LENGTHS, seed=11)
+    base = LLM(str(target), dtype="float64", device="cpu", max_model_len=400)
+    ref = [o.outputs[0].token_ids for o in base.generate(prompts, GREEDY, use_tqdm=False)]
+    models = {"qwen3_draft": tiny_models["qwen3"], "eagle": hybrid_with_heads["eagle"]}
+    return {"target": target, "prompts": prompts, "ref": ref, "models": models}
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("k", [1, 3, 8])
+@pytest.mark.parametrize("method", ["ngram", "draft_model", "mtp", "eagle"])
+def test_speculative_method_is_lossless(setup: dict, method: str, k: int, shape: str) -> None:
+    llm = LLM(str(setup["target"]), dtype="float64", device="cpu", max_model_len=400,
+              speculative_config=spec_config(method, k, setup["models"], setup["target"]), **SHAPES[shape])
+    prompts, ref = (setup["prompts"][5:6], setup["ref"][5:6]) if shape == "single" else (setup["prompts"], setup["ref"])
+    out = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    assert out == ref
+    metrics = llm.get_metrics()
+    if method != "ngram":
+        assert metrics["num_drafts"] > 0
+    if shape == "preempting":
+        assert llm.llm_engine.scheduler.num_preemptions > 0
+    info = llm.cache_info()
+    assert info["num_free_blocks"] == info["num_blocks"] and info["num_free_state_slots"] == info["num_state_slots"]
+
+
+@pytest.mark.parametrize("arch", ["hybrid", "qwen3"])
+def test_draft_model_equal_to_target_accepts_everything(tiny_models: dict[str, Path], arch: str) -> None:
+    model = str(tiny_models[arch])
+    prompts = random_prompts(BATCH_LENGTHS, seed=12)
+    base = LLM(model, dtype="float64", device="cpu", max_model_len=400)
+    llm = LLM(model, dtype="float64", device="cpu", max_model_len=400, max_num_batched_tokens=16,
+              speculative_config={"method": "draft_model", "model": model, "num_speculative_tokens": 4})
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == \
+        [o.outputs[0].token_ids for o in base.generate(prompts, GREEDY, use_tqdm=False)]
+    m = llm.get_metrics()
+    per_pos = [a / m["num_drafts"] for a in m["num_accepted_tokens_per_pos"]]
+    # every drafted position is accepted; the later positions are drafted less often near max_tokens
+    assert m["num_accepted_tokens"] / m["num_draft_tokens"] >= 0.98 and per_pos[0] >= 0.98
+
+
+def test_bad_speculative_configs_name_the_problem(tiny_models: dict[str, Path], tmp_path: Path) -> None:
+    model = str(tiny_models["qwen3"])
+    cases = [({"method": "medusa", "num_speculative_tokens": 2}, "method"),
+             ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
+             ({"method": "ngram", "num_speculative_tokens": 65}, "num_speculative_tokens"),
+             ({"method": "draft_model", "num_speculative_tokens": 2}, "model"),
+             ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2},
+              "prompt_lookup"),
+             ({"method": "ngram", "num_speculative_tokens": 2, "bogus": 1}, "unknown keys"),
+             ({"method": "mtp", "num_speculative_tokens": 2}, "mtp")]
+    for config, message in cases:
+        with pytest.raises(ValueError, match=message):
+            LLM(model, device="cpu", max_model_len=128, speculative_config=config)
+    with pytest.raises(FileNotFoundError):
+        LLM(model, device="cpu", max_model_len=128,
+            speculative_config={"method": "eagle", "model": str(tmp_path / "none"), "num_speculative_tokens": 2})
