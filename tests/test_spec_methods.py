@@ -84,3 +84,54 @@ def test_bad_speculative_configs_name_the_problem(tiny_models: dict[str, Path], 
     with pytest.raises(FileNotFoundError):
         LLM(model, device="cpu", max_model_len=128,
             speculative_config={"method": "eagle", "model": str(tmp_path / "none"), "num_speculative_tokens": 2})
+
+
+class DraftRecorder:
+    """Wraps a proposer and records, per request, the first draft proposed for each next position."""
+
+    def __init__(self, inner: object) -> None:
+        self.inner, self.first_drafts = inner, {}
+
+    def propose(self, scheduled: list, step: object) -> None:
+        self.inner.propose(scheduled, step)
+        for s in scheduled:
+            if s.seq.draft_token_ids:
+                self.first_drafts.setdefault(s.seq.request_id, {})[s.seq.num_tokens] = s.seq.draft_token_ids[0]
+
+
+@pytest.mark.parametrize("method", ["mtp", "eagle"])
+def test_head_drafts_equal_a_one_shot_reference(setup: dict, method: str) -> None:
+    """The first draft for position N, made incrementally across chunked prefill and verify steps, equals the
+    head run once over the whole sequence on the target's hidden states (positions, KV and hidden rows line up)."""
+    import torch
+
+    from truespec.engine.context_builder import ContextRow, build_forward_context
+    from truespec.forward_context import set_forward_context
+
+    llm = LLM(str(setup["target"]), dtype="float64", device="cpu", max_model_len=400, max_num_batched_tokens=8,
+              speculative_config=spec_config(method, 3, setup["models"], setup["target"]))
+    engine = llm.llm_engine
+    recorder = DraftRecorder(engine.proposer)
+    engine.proposer = recorder
+    prompts = setup["prompts"][:5]
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    head, runner = recorder.inner.head, engine.runner
+    checked = 0
+    for out in outs:
+        tokens = out.prompt_token_ids + out.outputs[0].token_ids
+        n = len(tokens)
+        # fresh single-request caches: blocks 0.. of a scratch pool, one state group
+        blocks = list(range(-(-n // engine.block_manager.block_size)))
+        ctx = build_forward_context([ContextRow(blocks, 0, n, -1, 0, n - 1, 0)], engine.block_manager.block_size,
+                                    engine.device)
+        with torch.inference_mode(), set_forward_context(ctx):
+            hidden = runner.model(torch.tensor(tokens), torch.arange(n))
+        hctx = build_forward_context([ContextRow(blocks, 0, n - 1, -1, 0, n - 2, 0)], engine.block_manager.block_size,
+                                     engine.device)
+        with torch.inference_mode(), set_forward_context(hctx):
+            ref = head.compute_logits(head(torch.tensor(tokens[1:]), torch.arange(n - 1), hidden[:-1])).argmax(-1)
+        for position, draft in recorder.first_drafts.get(out.request_id, {}).items():
+            if position < n:  # head at t = position - 2 predicts token `position`
+                assert draft == int(ref[position - 2]), (out.request_id, position)
+                checked += 1
+    assert checked > 40
