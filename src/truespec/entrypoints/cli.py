@@ -1,26 +1,43 @@
-"""Command line: ``truespec generate [--model DIR] "prompt"``."""
+"""Command line: ``truespec generate [--model DIR] "prompt"`` and ``truespec verify``."""
 
 import argparse
+import json
 import sys
 import time
+from collections.abc import Callable
+from pathlib import Path
 
 from truespec.config import DTYPES
+from truespec.entrypoints.verify import DEBUG_FAULTS, KNOBS, format_results, verify
+from truespec.llm import LLM
+from truespec.sampling_params import SamplingParams
+
+PromptType = str | dict
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="truespec", description="truespec: exactly lossless fast decoding")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="complete one or more prompts and print tokens/s")
-    gen.add_argument("prompts", nargs="+", help="prompt text(s)")
+    add_prompt_args(gen)
     add_engine_args(gen)
     gen.add_argument("--max-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--seed", type=int, default=None, help="per-request sampling seed")
+    gen.set_defaults(run=_generate)
+    ver = sub.add_parser("verify", help="check that a configuration gives the tokens of the engine without it "
+                                        "(exit 1 on any divergence)")
+    add_prompt_args(ver)
+    add_engine_args(ver)
+    ver.add_argument("--max-tokens", type=int, default=128)
+    ver.add_argument("--ignore-eos", action="store_true", help="always generate --max-tokens tokens")
+    ver.add_argument("--debug-fault", choices=sorted(DEBUG_FAULTS), help=argparse.SUPPRESS)  # verify's self-test
+    ver.set_defaults(run=_verify)
     args = parser.parse_args(argv)
     try:
-        return _generate(args)
+        return args.run(args)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -34,29 +51,117 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--block-size", type=int, default=16)
+    for knob in KNOBS:  # unset: the engine's default (and verify's baseline)
+        parser.add_argument("--" + knob.name.replace("_", "-"), type=_arg_type(knob.parse), default=None,
+                            help=knob.help)
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
-    return dict(model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
-                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                block_size=args.block_size)
+    kwargs = dict(model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
+                  max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                  block_size=args.block_size)
+    kwargs.update({k.name: getattr(args, k.name) for k in KNOBS if getattr(args, k.name) is not None})
+    return kwargs
+
+
+def add_prompt_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("prompts", nargs="*", help="prompt text(s)")
+    parser.add_argument("--prompts-file", type=Path, default=None,
+                        help='more prompts, one per line: JSON objects with a "prompt" (or "prompt_token_ids") '
+                             "key, or plain text")
+
+
+def prompts_of(args: argparse.Namespace) -> list[PromptType]:
+    prompts: list[PromptType] = list(args.prompts)
+    if args.prompts_file is not None:
+        prompts += load_prompts(args.prompts_file)
+    if not prompts:
+        raise ValueError("no prompts: give them as arguments or with --prompts-file")
+    return prompts
+
+
+def load_prompts(path: Path) -> list[PromptType]:
+    """JSON Lines if the first non-empty line is a JSON object (then every line must be), else plain text."""
+    lines = [(n, line) for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1) if line.strip()]
+    if not lines or not _is_json_object(lines[0][1]):
+        return [line for _, line in lines]
+    prompts = []
+    for n, line in lines:
+        obj = json.loads(line) if _is_json_object(line) else None
+        if not isinstance(obj, dict) or not ({"prompt", "prompt_token_ids"} & obj.keys()):
+            raise ValueError(f"{path}:{n}: expected a JSON object with a \"prompt\" or \"prompt_token_ids\" key "
+                             "(the file's first line is JSON, so every line must be)")
+        prompts.append({k: v for k, v in obj.items() if k in ("prompt", "prompt_token_ids")})
+    return prompts
+
+
+def _is_json_object(line: str) -> bool:
+    try:
+        return isinstance(json.loads(line), dict)
+    except json.JSONDecodeError:
+        return False
+
+
+def _arg_type(parse: Callable[[str], object]) -> Callable[[str], object]:
+    def convert(text: str) -> object:
+        try:
+            return parse(text)
+        except ValueError as e:  # argparse prints this message and exits with code 2
+            raise argparse.ArgumentTypeError(str(e)) from e
+    return convert
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from truespec import LLM, SamplingParams
-
+    prompts = prompts_of(args)
     llm = LLM(**engine_kwargs(args))
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             seed=args.seed, max_tokens=args.max_tokens)
     start = time.perf_counter()
-    outputs = llm.generate(args.prompts, params, use_tqdm=False)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
     num_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     for out in outputs:
-        print(f"{out.prompt}{out.outputs[0].text}")
+        print(f"{out.prompt or ''}{out.outputs[0].text}")
         print(f"[finish_reason={out.outputs[0].finish_reason}]")
     print(f"{num_tokens} tokens in {elapsed:.2f} s: {num_tokens / elapsed:.1f} tokens/s", file=sys.stderr)
+    if llm.llm_engine.config.speculative_config is not None:
+        print(format_spec_metrics(llm.get_metrics()), file=sys.stderr)
     return 0
+
+
+def format_spec_metrics(m: dict[str, object]) -> str:
+    drafts, draft_tokens, accepted = m["num_drafts"], m["num_draft_tokens"], m["num_accepted_tokens"]
+    rate = accepted / draft_tokens if draft_tokens else 0.0
+    per_pos = " ".join(f"{n / drafts if drafts else 0.0:.3f}" for n in m["num_accepted_tokens_per_pos"])
+    return (f"speculative decoding: num_drafts={drafts} num_draft_tokens={draft_tokens} "
+            f"num_accepted_tokens={accepted} (acceptance rate {rate:.3f}) "
+            f"mean_acceptance_length={m['mean_acceptance_length']:.3f}\n"
+            f"acceptance rate per position: {per_pos}")
+
+
+def _verify(args: argparse.Namespace) -> int:
+    prompts = prompts_of(args)
+    candidate = engine_kwargs(args)
+    if not {k.name for k in KNOBS} & candidate.keys():
+        flags = ", ".join("--" + k.name.replace("_", "-") for k in KNOBS)
+        raise ValueError(f"nothing to verify: give the configuration under test ({flags})")
+    engines = []  # the candidate LLM, kept to read its speculative metrics
+
+    def hook(llm: LLM) -> None:
+        engines.append(llm)
+        if args.debug_fault is not None:
+            DEBUG_FAULTS[args.debug_fault](llm)
+
+    results = verify(candidate.pop("model"), prompts, candidate, max_tokens=args.max_tokens,
+                     ignore_eos=args.ignore_eos, candidate_hook=hook)
+    print(format_results(results))
+    if "speculative_config" in candidate:
+        metrics = engines[0].get_metrics()
+        print(format_spec_metrics(metrics), file=sys.stderr)
+        if metrics["num_accepted_tokens"] == 0:
+            print("warning: no draft token was accepted, so the state hand-off after an acceptance was not "
+                  "exercised: try more --max-tokens or prompts the model continues predictably", file=sys.stderr)
+    return 0 if all(r.is_identical for r in results) else 1
 
 
 if __name__ == "__main__":

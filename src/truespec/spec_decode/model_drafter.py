@@ -90,8 +90,8 @@ class ModelDrafter:
             rows = list(range(step.query_start_loc[r], step.query_start_loc[r] + end - start))
             hidden = step.hidden[rows] if rows else None
         else:
-            if id(seq) not in budget:
-                return None  # a draft model catches up only when it must draft
+            if budget.get(id(seq), 0) == 0:
+                return None  # a draft model catches up only when it drafts (KV blocks are held for that)
             end = seq.num_tokens
             ids, hidden = seq.token_ids[start:end], None
         if end <= start:
