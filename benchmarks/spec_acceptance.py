@@ -37,8 +37,8 @@ def run(llm: LLM, rows: list[dict]) -> tuple[list[str], dict, float]:
     elapsed = time.perf_counter() - start
     after = llm.get_metrics()
     delta = {k: after[k] - before[k] for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")}
-    delta["per_pos"] = [a - b for a, b in zip(after["num_accepted_tokens_per_pos"], before["num_accepted_tokens_per_pos"],
-                                              strict=True)]
+    pairs = zip(after["num_accepted_tokens_per_pos"], before["num_accepted_tokens_per_pos"], strict=True)
+    delta["per_pos"] = [a - b for a, b in pairs]
     delta["num_output_tokens"] = sum(len(o.outputs[0].token_ids) for o in outs)
     return [o.outputs[0].text for o in outs], delta, elapsed
 

@@ -5,8 +5,8 @@ share steps; a KV pool small enough to preempt}: float64 greedy output equals th
 from pathlib import Path
 
 import pytest
-from test_engine_exactness import BATCH_LENGTHS, random_prompts
 
+from test_engine_exactness import BATCH_LENGTHS, random_prompts
 from truespec import LLM, SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
