@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from truespec.llm import LLM
+from truespec.outputs import CompletionOutput
 from truespec.sampling_params import SamplingParams
 
 PromptType = str | dict
@@ -79,7 +80,7 @@ class VerifyResult:
         return self.divergence is None
 
 
-def verify(model: str | None, prompts: Sequence[PromptType], candidate_kwargs: dict[str, object],
+def verify(model: str | None, prompts: PromptType | Sequence[PromptType], candidate_kwargs: dict[str, object],
            baseline_kwargs: dict[str, object] | None = None, max_tokens: int = 128, ignore_eos: bool = False,
            candidate_hook: Callable[[LLM], None] | None = None) -> list[VerifyResult]:
     """Greedy-decode ``prompts`` with the baseline engine, then with the candidate; compare per request.
@@ -90,7 +91,7 @@ def verify(model: str | None, prompts: Sequence[PromptType], candidate_kwargs: d
     if baseline_kwargs is None:
         baseline_kwargs = baseline_of(candidate_kwargs)
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=ignore_eos, logprobs=2)
-    prompts = list(prompts)
+    prompts = [prompts] if isinstance(prompts, str | dict) else list(prompts)
     baseline, tokenizer = _run(model, baseline_kwargs, prompts, params, None)
     candidate, _ = _run(model, candidate_kwargs, prompts, params, candidate_hook)
     return [VerifyResult(p, b.token_ids, c.token_ids, first_divergence(b, c, tokenizer))
@@ -102,7 +103,8 @@ def baseline_of(candidate_kwargs: dict[str, object]) -> dict[str, object]:
     return {k: v for k, v in candidate_kwargs.items() if k not in names}
 
 
-def first_divergence(baseline, candidate, tokenizer) -> Divergence | None:  # noqa: ANN001 - CompletionOutputs
+def first_divergence(baseline: CompletionOutput, candidate: CompletionOutput,
+                     tokenizer) -> Divergence | None:  # noqa: ANN001 - a transformers tokenizer
     a, b = baseline.token_ids, candidate.token_ids
     pos = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
     if pos == len(a) == len(b):
@@ -127,7 +129,7 @@ def _piece(tokenizer, token: int | None) -> str:  # noqa: ANN001 - a transformer
 
 
 def _run(model: str | None, kwargs: dict[str, object], prompts: list[PromptType], params: SamplingParams,
-         hook: Callable[[LLM], None] | None) -> tuple[list, object]:
+         hook: Callable[[LLM], None] | None) -> tuple[list[CompletionOutput], object]:
     llm = LLM(model, **kwargs)
     if hook is not None:
         hook(llm)
