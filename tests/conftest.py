@@ -88,7 +88,7 @@ def _random_eagle_head(out: Path, target_config: object) -> None:
     head = EagleHead(layer, target=None).to(torch.float64)
     for name, p in head.named_parameters():
         p.data.normal_(0, 0.3) if "norm" not in name else p.data.uniform_(0.8, 1.2)
-    save_eagle_head(head, out, dtype=torch.float64)
+    save_eagle_head(out, layer, head.state_dict(), dtype=torch.float64)
 
 
 @pytest.fixture(scope="session")
