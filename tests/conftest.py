@@ -93,7 +93,7 @@ def _random_eagle_head(out: Path, target_config: object) -> None:
 
 @pytest.fixture(scope="session")
 def hybrid_with_heads(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """A hybrid checkpoint with random MTP weights, and a random EAGLE head for it."""
+    """A hybrid checkpoint with random MTP weights, and random EAGLE heads for it and for the dense qwen3."""
     import shutil
 
     from transformers import AutoConfig
@@ -102,4 +102,5 @@ def hybrid_with_heads(tiny_models: dict[str, Path], tmp_path_factory: pytest.Tem
     shutil.copytree(tiny_models["hybrid"], root / "hybrid_mtp")
     _add_random_mtp(root / "hybrid_mtp")
     _random_eagle_head(root / "eagle", AutoConfig.from_pretrained(tiny_models["hybrid"]))
-    return {"target": root / "hybrid_mtp", "eagle": root / "eagle"}
+    _random_eagle_head(root / "eagle_dense", AutoConfig.from_pretrained(tiny_models["qwen3"]))
+    return {"target": root / "hybrid_mtp", "eagle": root / "eagle", "eagle_dense": root / "eagle_dense"}

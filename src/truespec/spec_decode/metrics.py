@@ -10,9 +10,11 @@ class SpecDecodeMetrics:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+    num_draft_tokens_per_pos: list[int] = field(default_factory=list)  # drafts that reached each position
 
     def __post_init__(self) -> None:
         self.num_accepted_tokens_per_pos = [0] * self.num_speculative_tokens
+        self.num_draft_tokens_per_pos = [0] * self.num_speculative_tokens
 
     def observe(self, num_draft_tokens: int, num_accepted: int) -> None:
         """One verified request: ``num_draft_tokens`` drafts, the first ``num_accepted`` accepted."""
@@ -23,6 +25,8 @@ class SpecDecodeMetrics:
         self.num_accepted_tokens += num_accepted
         for pos in range(num_accepted):
             self.num_accepted_tokens_per_pos[pos] += 1
+        for pos in range(num_draft_tokens):
+            self.num_draft_tokens_per_pos[pos] += 1
 
     @property
     def mean_acceptance_length(self) -> float:
@@ -34,5 +38,6 @@ class SpecDecodeMetrics:
             "num_draft_tokens": self.num_draft_tokens,
             "num_accepted_tokens": self.num_accepted_tokens,
             "num_accepted_tokens_per_pos": list(self.num_accepted_tokens_per_pos),
+            "num_draft_tokens_per_pos": list(self.num_draft_tokens_per_pos),
             "mean_acceptance_length": self.mean_acceptance_length,
         }
