@@ -1,0 +1,141 @@
+"""Depthwise causal conv1d (no bias) + SiLU over each request's tokens, continuing its conv window.
+
+The window is the last K-1 conv *inputs* (model dtype). Request r continues the window in slot
+``state_src[r]`` (-1: zeros) and, after each query token t >= state_write_start[r], stores the K-1
+inputs ending at t into slot ``state_dst[r] + t - state_write_start[r]`` (DESIGN.md invariant 2;
+state_dst -1 = inert). One program per (token, channel block), so prefill chunks run fully parallel.
+Because a source slot may lie in the request's own destination group, the starting windows are
+gathered into a separate buffer (one small ``index_select``) before the kernel writes any slot.
+"""
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from truespec.kernels.triton_utils import find_request, tl_compute_dtype
+from truespec.layers.activation import get_activation
+
+
+@triton.jit
+def _conv_input(x_ptr, init_ptr, start, p, has_init, c, c_mask, stride_x_tok, K: tl.constexpr):
+    """Conv input at query offset ``p`` of a request (p < 0: column K-1+p of its starting window)."""
+    from_x = tl.load(x_ptr + (start + p) * stride_x_tok + c, mask=c_mask & (p >= 0), other=0.0)
+    from_window = tl.load(init_ptr + c * (K - 1) + (K - 1 + p), mask=c_mask & (p < 0) & has_init, other=0.0)
+    return tl.where(p >= 0, from_x, from_window.to(from_x.dtype))
+
+
+@triton.jit(do_not_specialize=["num_reqs"])
+def _causal_conv1d_kernel(
+    out_ptr,  # [T, C]
+    x_ptr,  # [T, C]
+    weight_ptr,  # [C, K], contiguous
+    init_ptr,  # [R, C, K-1], contiguous: each request's starting window, gathered before any write
+    conv_state_ptr,  # [num_slots, C, K-1]
+    query_start_loc_ptr,  # [R + 1]
+    state_src_ptr,  # [R]
+    state_dst_ptr,  # [R]
+    state_write_start_ptr,  # [R]
+    num_reqs,
+    stride_x_tok,
+    stride_o_tok,
+    stride_cs_slot,
+    stride_cs_c,
+    C: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    K: tl.constexpr,
+    APPLY_SILU: tl.constexpr,
+    ACC_DTYPE: tl.constexpr,
+):
+    token = tl.program_id(0)
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    c_mask = c < C
+    r = find_request(query_start_loc_ptr, num_reqs, token)
+    start = tl.load(query_start_loc_ptr + r)
+    is_valid = token < tl.load(query_start_loc_ptr + num_reqs)  # rows past the last request are padding
+    offset = token - start
+    has_init = tl.load(state_src_ptr + r) >= 0
+    init_ptr += r * C * (K - 1)
+
+    acc = tl.full([BLOCK_C], 0, ACC_DTYPE)
+    for j in tl.static_range(K):
+        w = tl.load(weight_ptr + c * K + j, mask=c_mask, other=0.0).to(ACC_DTYPE)
+        x = _conv_input(x_ptr, init_ptr, start, offset - (K - 1) + j, has_init, c, c_mask, stride_x_tok, K)
+        acc += w * x.to(ACC_DTYPE)
+    y = acc.to(out_ptr.dtype.element_ty).to(ACC_DTYPE)  # the conv output rounds to the model dtype first
+    if APPLY_SILU:
+        y = y / (1.0 + tl.exp(-y))
+    y = tl.where(is_valid, y, 0.0)
+    tl.store(out_ptr + token * stride_o_tok + c, y.to(out_ptr.dtype.element_ty), mask=c_mask)
+
+    dst = tl.load(state_dst_ptr + r)
+    write_start = tl.load(state_write_start_ptr + r)
+    is_kept = is_valid & (dst >= 0) & (offset >= write_start)
+    window_ptr = conv_state_ptr + (dst + offset - write_start) * stride_cs_slot + c * stride_cs_c
+    for j in tl.static_range(K - 1):  # the K-1 inputs ending at this token
+        x = _conv_input(x_ptr, init_ptr, start, offset - (K - 2) + j, has_init, c, c_mask, stride_x_tok, K)
+        tl.store(window_ptr + j, x.to(conv_state_ptr.dtype.element_ty), mask=c_mask & is_kept)
+
+
+def causal_conv1d(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    conv_state: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    state_src: torch.Tensor,
+    state_dst: torch.Tensor,
+    state_write_start: torch.Tensor,
+    activation: str | None = "silu",
+    block_c: int = 128,
+) -> torch.Tensor:
+    """Conv + activation of x [T, C] with weight [C, K] (or nn.Conv1d's [C, 1, K]); updates ``conv_state``
+    [num_slots, C, K-1] in place. Returns [T, C] in x's dtype (rows owned by no request: zeros)."""
+    num_tokens, channels = x.shape
+    weight = weight.reshape(channels, -1).contiguous()
+    kernel = weight.shape[1]
+    if conv_state.shape[1:] != (channels, kernel - 1) or conv_state.stride(-1) != 1 or x.stride(-1) != 1:
+        raise ValueError(f"x {tuple(x.shape)} / weight K={kernel} do not fit conv_state {tuple(conv_state.shape)}")
+    if activation not in ("silu", "swish", None):
+        raise ValueError(f"causal_conv1d supports activation 'silu' or None, got {activation!r}")
+    out = torch.empty_like(x)
+    num_reqs = state_src.shape[0]
+    if num_reqs == 0:
+        return out.zero_()
+    init = conv_state.index_select(0, state_src.clamp(min=0)).contiguous()  # [R, C, K-1], read before writes
+    grid = (num_tokens, triton.cdiv(channels, block_c))
+    _causal_conv1d_kernel[grid](
+        out, x, weight, init, conv_state, query_start_loc, state_src, state_dst, state_write_start, num_reqs,
+        x.stride(0), out.stride(0), conv_state.stride(0), conv_state.stride(1),
+        C=channels, BLOCK_C=block_c, K=kernel, APPLY_SILU=activation is not None,
+        ACC_DTYPE=tl_compute_dtype(x.dtype),
+    )  # fmt: skip
+    return out
+
+
+def causal_conv1d_ref(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    conv_state: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    state_src: torch.Tensor,
+    state_dst: torch.Tensor,
+    state_write_start: torch.Tensor,
+    activation: str | None = "silu",
+) -> torch.Tensor:
+    """The torch reference (``layers/gdn.py``'s ``_conv`` and window writes), same signature and effect."""
+    channels = x.shape[1]
+    weight = weight.reshape(channels, 1, -1)
+    act = get_activation(activation) if activation else (lambda y: y)
+    out = torch.zeros_like(x)
+    qsl = query_start_loc.tolist()
+    src, dst, write_start = state_src.tolist(), state_dst.tolist(), state_write_start.tolist()
+    initial = [torch.zeros_like(conv_state[0]) if s < 0 else conv_state[s].clone() for s in src]  # reads first
+    for r in range(len(src)):
+        if qsl[r + 1] == qsl[r]:
+            continue
+        inputs = torch.cat([initial[r], x[qsl[r] : qsl[r + 1]].transpose(0, 1)], dim=-1)  # [C, K-1+L]
+        out[qsl[r] : qsl[r + 1]] = act(F.conv1d(inputs[None], weight, groups=channels)[0]).transpose(0, 1)
+        for t in range(qsl[r + 1] - qsl[r]):
+            if dst[r] >= 0 and t >= write_start[r]:
+                conv_state[dst[r] + t - write_start[r]] = inputs[:, t + 1 : t + weight.shape[-1]]
+    return out

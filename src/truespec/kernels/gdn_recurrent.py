@@ -1,0 +1,180 @@
+"""Gated delta rule, token by token, for every request of a step (decode, verify and prefill chunks).
+
+One program per (value tile, value head, request): it loads the request's initial state tile
+``ssm_state[state_src[r], h, :, tile]`` (zeros if -1) into registers *before* writing anything, runs
+the request's tokens in order and, after each token t >= state_write_start[r], stores the state tile
+to slot ``state_dst[r] + t - state_write_start[r]`` (DESIGN.md invariant 2; state_dst -1 = inert).
+A program only ever touches its own (head, tile) of any slot, so a source slot inside the request's
+own destination group is safe. (Two requests must not share slots: the engine's slot accounting.)
+
+Per token, in fp32 (fp64 for fp64), with q, k optionally L2-normalised here and q scaled:
+  S = exp(g) S;  u = beta (v - S^T k);  S = S + k u^T;  o = S^T q.
+Long prefills would rather use a chunked (WY / UT-transform) kernel, e.g. FLA's chunk_gated_delta_rule;
+this token loop is exact but sequential over a request's tokens.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from truespec.kernels.triton_utils import reduce_sum, tl_compute_dtype
+from truespec.layers.gdn import gated_delta_step, l2norm
+
+L2NORM_EPS = 1e-6
+
+
+@triton.jit
+def _gdn_recurrent_kernel(
+    out_ptr,  # [T, HV, DV]
+    q_ptr,  # [T, HK, DK]
+    k_ptr,  # [T, HK, DK]
+    v_ptr,  # [T, HV, DV]
+    g_ptr,  # [T, HV] log decay
+    beta_ptr,  # [T, HV]
+    ssm_state_ptr,  # [num_slots, HV, DK, DV]
+    query_start_loc_ptr,  # [R + 1]
+    state_src_ptr,  # [R]
+    state_dst_ptr,  # [R]
+    state_write_start_ptr,  # [R]
+    scale: tl.float64,
+    eps: tl.float64,
+    stride_q_tok,
+    stride_q_head,
+    stride_k_tok,
+    stride_k_head,
+    stride_v_tok,
+    stride_v_head,
+    stride_o_tok,
+    stride_o_head,
+    stride_g_tok,
+    stride_beta_tok,
+    stride_s_slot,
+    stride_s_head,
+    stride_s_k,
+    HV_PER_HK: tl.constexpr,  # k-head i serves value heads i*HV_PER_HK .. +HV_PER_HK-1
+    DK: tl.constexpr,
+    DK_PAD: tl.constexpr,
+    DV: tl.constexpr,
+    BV: tl.constexpr,
+    USE_QK_L2NORM: tl.constexpr,
+    ACC_DTYPE: tl.constexpr,
+):
+    v_tile = tl.program_id(0)
+    h = tl.program_id(1)
+    r = tl.program_id(2)
+    hk = h // HV_PER_HK
+    start = tl.load(query_start_loc_ptr + r)
+    end = tl.load(query_start_loc_ptr + r + 1)
+    src = tl.load(state_src_ptr + r)
+    dst = tl.load(state_dst_ptr + r)
+    write_start = tl.load(state_write_start_ptr + r)
+
+    kk = tl.arange(0, DK_PAD)
+    vv = v_tile * BV + tl.arange(0, BV)
+    k_mask = kk < DK
+    v_mask = vv < DV
+    s_mask = k_mask[:, None] & v_mask[None, :]
+    s_off = h * stride_s_head + kk[:, None] * stride_s_k + vv[None, :]  # [DK_PAD, BV]
+    state = tl.load(ssm_state_ptr + src * stride_s_slot + s_off, mask=s_mask & (src >= 0), other=0.0)
+    state = state.to(ACC_DTYPE)
+    scale_acc = tl.full([], scale, ACC_DTYPE)
+    eps_acc = tl.full([], eps, ACC_DTYPE)
+    for t in range(start, end):
+        q = tl.load(q_ptr + t * stride_q_tok + hk * stride_q_head + kk, mask=k_mask, other=0.0).to(ACC_DTYPE)
+        k = tl.load(k_ptr + t * stride_k_tok + hk * stride_k_head + kk, mask=k_mask, other=0.0).to(ACC_DTYPE)
+        if USE_QK_L2NORM:  # x * rsqrt(sum x^2 + eps), as layers/gdn.py's l2norm
+            q = q * (1.0 / tl.sqrt(reduce_sum(q * q, 0) + eps_acc))
+            k = k * (1.0 / tl.sqrt(reduce_sum(k * k, 0) + eps_acc))
+        q = q * scale_acc
+        v = tl.load(v_ptr + t * stride_v_tok + h * stride_v_head + vv, mask=v_mask, other=0.0).to(ACC_DTYPE)
+        g = tl.load(g_ptr + t * stride_g_tok + h).to(ACC_DTYPE)
+        beta = tl.load(beta_ptr + t * stride_beta_tok + h).to(ACC_DTYPE)
+        state = state * tl.exp(g)
+        delta = (v - reduce_sum(state * k[:, None], 0)) * beta  # [BV]
+        state = state + k[:, None] * delta[None, :]
+        o = reduce_sum(state * q[:, None], 0)  # [BV]
+        tl.store(out_ptr + t * stride_o_tok + h * stride_o_head + vv, o.to(out_ptr.dtype.element_ty), mask=v_mask)
+        offset = t - start
+        is_kept = (dst >= 0) & (offset >= write_start)
+        dst_ptr = ssm_state_ptr + (dst + offset - write_start) * stride_s_slot + s_off
+        tl.store(dst_ptr, state.to(ssm_state_ptr.dtype.element_ty), mask=s_mask & is_kept)
+
+
+def gdn_recurrent(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    ssm_state: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    state_src: torch.Tensor,
+    state_dst: torch.Tensor,
+    state_write_start: torch.Tensor,
+    scale: float | None = None,
+    use_qk_l2norm: bool = True,
+) -> torch.Tensor:
+    """Run the gated delta rule over each request's tokens, updating ``ssm_state`` in place.
+
+    q, k [T, HK, DK] and v [T, HV, DV] in any float dtype (strided views of the conv output are fine;
+    k-heads are shared by HV // HK value heads, no repeat needed); g, beta [T, HV] in the compute dtype;
+    ssm_state [num_slots, HV, DK, DV] in the compute dtype. q is scaled by ``scale`` (default DK^-0.5)
+    after the optional L2 norm. Returns o [T, HV, DV] in v's dtype (rows owned by no request: zeros).
+    """
+    num_tokens, num_k_heads, head_k_dim = q.shape
+    _, num_v_heads, head_v_dim = v.shape
+    if ssm_state.shape[1:] != (num_v_heads, head_k_dim, head_v_dim) or num_v_heads % num_k_heads != 0:
+        raise ValueError(f"q {tuple(q.shape)} / v {tuple(v.shape)} do not fit ssm_state {tuple(ssm_state.shape)}")
+    if any(x.stride(-1) != 1 for x in (q, k, v, g, beta, ssm_state)) or k.shape != q.shape:
+        raise ValueError("q, k, v, g, beta, ssm_state need a unit last stride; k must match q")
+    out = torch.zeros(num_tokens, num_v_heads, head_v_dim, dtype=v.dtype, device=v.device)
+    num_reqs = state_src.shape[0]
+    block_v = min(32, triton.next_power_of_2(head_v_dim))
+    if num_reqs == 0:
+        return out
+    grid = (triton.cdiv(head_v_dim, block_v), num_v_heads, num_reqs)
+    _gdn_recurrent_kernel[grid](
+        out, q, k, v, g, beta, ssm_state, query_start_loc, state_src, state_dst, state_write_start,
+        head_k_dim**-0.5 if scale is None else scale, L2NORM_EPS,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
+        g.stride(0), beta.stride(0), ssm_state.stride(0), ssm_state.stride(1), ssm_state.stride(2),
+        HV_PER_HK=num_v_heads // num_k_heads, DK=head_k_dim, DK_PAD=triton.next_power_of_2(head_k_dim),
+        DV=head_v_dim, BV=block_v, USE_QK_L2NORM=use_qk_l2norm, ACC_DTYPE=tl_compute_dtype(ssm_state.dtype),
+    )  # fmt: skip
+    return out
+
+
+def gdn_recurrent_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    ssm_state: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    state_src: torch.Tensor,
+    state_dst: torch.Tensor,
+    state_write_start: torch.Tensor,
+    scale: float | None = None,
+    use_qk_l2norm: bool = True,
+) -> torch.Tensor:
+    """The torch reference (``layers/gdn.py``: l2norm, ``gated_delta_step``), same signature and effect."""
+    cdt, repeat = ssm_state.dtype, v.shape[1] // q.shape[1]
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    out = torch.zeros(*v.shape, dtype=v.dtype, device=v.device)
+    qsl = query_start_loc.tolist()
+    src, dst, write_start = state_src.tolist(), state_dst.tolist(), state_write_start.tolist()
+    initial = [torch.zeros_like(ssm_state[0]) if s < 0 else ssm_state[s].clone() for s in src]  # reads first
+    for r in range(len(src)):
+        rows = slice(qsl[r], qsl[r + 1])
+        qr, kr = q[rows].to(cdt), k[rows].to(cdt)
+        if use_qk_l2norm:
+            qr, kr = l2norm(qr, L2NORM_EPS), l2norm(kr, L2NORM_EPS)
+        qr, kr = (qr * scale).repeat_interleave(repeat, dim=1), kr.repeat_interleave(repeat, dim=1)
+        vr, gr, br, state = v[rows].to(cdt), g[rows], beta[rows], initial[r]
+        for t in range(qr.shape[0]):
+            state, o = gated_delta_step(state, qr[t], kr[t], vr[t], gr[t], br[t])
+            out[qsl[r] + t] = o.to(v.dtype)
+            if dst[r] >= 0 and t >= write_start[r]:
+                ssm_state[dst[r] + t - write_start[r]] = state
+    return out

@@ -1,0 +1,82 @@
+"""Fused RMSNorm (plain / unit-offset) and gated RMSNorm, one program per row, matching layers/norm.py:
+
+  plain:        w * normalize(x).to(dtype)                  (Llama, Qwen3: scale in the model dtype)
+  unit offset:  (normalize(x) * (1 + w)).to(dtype)          (Qwen3.5: scale in the compute dtype)
+  gated:        ((w * normalize(x).to(dtype)) * silu(z)).to(dtype)   (Qwen3.5 GDN output, gate in fp32)
+with normalize(x) = x * rsqrt(mean(x^2) + eps) in fp32 (fp64 for fp64). Every cast the torch module
+makes is made here too, so bf16 results round the same way up to the reduction order of mean(x^2).
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from truespec.kernels.triton_utils import reduce_sum, tl_compute_dtype
+from truespec.layers.norm import GatedRMSNorm, RMSNorm
+
+
+@triton.jit
+def _rms_norm_kernel(
+    out_ptr,  # [N, D]
+    x_ptr,  # [N, D]
+    gate_ptr,  # [N, D] (read only if HAS_GATE)
+    weight_ptr,  # [D]
+    eps: tl.float64,
+    stride_x_row,
+    stride_g_row,
+    stride_o_row,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    UNIT_OFFSET: tl.constexpr,
+    HAS_GATE: tl.constexpr,
+    ACC_DTYPE: tl.constexpr,
+):
+    row = tl.program_id(0)
+    d = tl.arange(0, BLOCK_D)
+    mask = d < D
+    dtype = out_ptr.dtype.element_ty
+    h = tl.load(x_ptr + row * stride_x_row + d, mask=mask, other=0.0).to(ACC_DTYPE)
+    mean_sq = reduce_sum(h * h, 0) / D
+    h = h * (1.0 / tl.sqrt(mean_sq + tl.full([], eps, ACC_DTYPE)))
+    w = tl.load(weight_ptr + d, mask=mask, other=0.0)
+    if UNIT_OFFSET:
+        y = h * (1.0 + w.to(ACC_DTYPE))
+    else:
+        y = (w.to(ACC_DTYPE) * h.to(dtype).to(ACC_DTYPE)).to(dtype).to(ACC_DTYPE)  # product rounds to dtype
+    if HAS_GATE:
+        z = tl.load(gate_ptr + row * stride_g_row + d, mask=mask, other=0.0).to(ACC_DTYPE)
+        y = y * (z / (1.0 + tl.exp(-z)))
+    tl.store(out_ptr + row * stride_o_row + d, y.to(dtype), mask=mask)
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool = False, gate: torch.Tensor | None = None
+) -> torch.Tensor:
+    """RMSNorm of x [..., D] with weight [D]; ``gate`` [..., D] makes it the gated form (plain weight only).
+    Returns [..., D] in x's dtype."""
+    if gate is not None and unit_offset:
+        raise ValueError("the gated RMSNorm uses a plain weight (unit_offset=False)")
+    dim = x.shape[-1]
+    x2 = x.reshape(-1, dim)
+    gate2 = x2 if gate is None else gate.reshape(-1, dim)
+    if x2.stride(-1) != 1 or gate2.stride(-1) != 1 or weight.dtype != x.dtype or weight.shape != (dim,):
+        raise ValueError("x and gate need a unit last stride; weight must be [D] in x's dtype")
+    out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+    if x2.shape[0] > 0:
+        _rms_norm_kernel[(x2.shape[0],)](
+            out, x2, gate2, weight, eps, x2.stride(0), gate2.stride(0), out.stride(0),
+            D=dim, BLOCK_D=triton.next_power_of_2(dim), UNIT_OFFSET=unit_offset, HAS_GATE=gate is not None,
+            ACC_DTYPE=tl_compute_dtype(x.dtype),
+        )  # fmt: skip
+    return out.view(x.shape)
+
+
+def rms_norm_ref(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool = False, gate: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The torch reference (``layers/norm.py``'s modules), same signature and result."""
+    norm = RMSNorm(x.shape[-1], eps, unit_offset) if gate is None else GatedRMSNorm(x.shape[-1], eps)
+    norm = norm.to(device=x.device, dtype=x.dtype)
+    with torch.no_grad():
+        norm.weight.copy_(weight)
+        return norm(x) if gate is None else norm(x, gate)
