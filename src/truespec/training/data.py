@@ -1,0 +1,46 @@
+"""Token streams (documents joined by eos) and the seeded sampler that mixes them into training batches."""
+
+from dataclasses import dataclass
+
+import torch
+from transformers import PreTrainedTokenizerFast
+
+
+def encode_documents(tokenizer: PreTrainedTokenizerFast, texts: list[str], eos_id: int | None) -> list[list[int]]:
+    """Token ids of each text (special-token strings in it become special tokens), eos appended if given."""
+    encodings = tokenizer.backend_tokenizer.encode_batch(texts, add_special_tokens=False)
+    tail = [] if eos_id is None else [eos_id]
+    return [e.ids + tail for e in encodings]
+
+
+def join(docs: list[list[int]]) -> torch.Tensor:
+    return torch.tensor([t for doc in docs for t in doc], dtype=torch.int32)
+
+
+@dataclass
+class BatchSampler:
+    """Each row is a window of `seq_len` tokens at a random offset of one stream, the stream drawn by weight."""
+
+    streams: dict[str, torch.Tensor]  # name -> [num_tokens] int32 (on the training device)
+    weights: dict[str, float]
+    seq_len: int
+    batch_size: int
+    seed: int
+
+    def __post_init__(self) -> None:
+        self.names = sorted(self.streams)
+        self.gen = torch.Generator().manual_seed(self.seed)
+        self.probs = torch.tensor([self.weights[n] for n in self.names], dtype=torch.float64)
+        self.offsets = torch.arange(self.seq_len)
+
+    def next(self) -> torch.Tensor:  # [batch_size, seq_len] int64
+        which = torch.multinomial(self.probs, self.batch_size, replacement=True, generator=self.gen)
+        rows = []
+        for i, name in enumerate(self.names):
+            n = int((which == i).sum())
+            if n == 0:
+                continue
+            stream = self.streams[name]
+            starts = torch.randint(0, len(stream) - self.seq_len, (n,), generator=self.gen)
+            rows.append(stream[(starts[:, None] + self.offsets).to(stream.device)])
+        return torch.cat(rows).long()
