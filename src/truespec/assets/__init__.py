@@ -9,5 +9,6 @@ from pathlib import Path
 ASSETS_DIR = Path(__file__).resolve().parent
 DEFAULT_MODEL_DIR = ASSETS_DIR / "stdlib-qwen35"
 DEFAULT_DRAFT_MODEL_DIR = ASSETS_DIR / "stdlib-qwen3-draft"
+DEFAULT_EAGLE_DIR = ASSETS_DIR / "stdlib-eagle"  # EAGLE head for the target (`python -m truespec.training.eagle`)
 
-__all__ = ["ASSETS_DIR", "DEFAULT_DRAFT_MODEL_DIR", "DEFAULT_MODEL_DIR"]
+__all__ = ["ASSETS_DIR", "DEFAULT_DRAFT_MODEL_DIR", "DEFAULT_EAGLE_DIR", "DEFAULT_MODEL_DIR"]

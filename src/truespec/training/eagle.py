@@ -1,6 +1,7 @@
 """Train an EAGLE draft head for a frozen target (the embedded model), reproducibly from one command:
 
-    python -m truespec.training.eagle --target src/truespec/assets/stdlib-qwen35 --out src/truespec/assets/stdlib-eagle
+    python -m truespec.training.eagle --target src/truespec/assets/stdlib-qwen35 \
+        --out src/truespec/assets/stdlib-eagle --report src/truespec/training/report/eagle_report.json
 
 The head (``truespec.models.eagle``) reads the target's final-normed hidden state h_t and the embedding of
 x_{t+1}, runs one Qwen3 decoder layer and the target's lm_head to predict x_{t+2}. It trains on the same
@@ -47,11 +48,12 @@ class EagleTrainHead(nn.Module):
         return self.norm(x[0] if isinstance(x, tuple) else x)
 
 
-def head_config(target_config: object, intermediate_size: int) -> Qwen3Config:
+def head_config(target_config: object, intermediate_size: int, num_heads: int | None = None,
+                num_kv_heads: int | None = None) -> Qwen3Config:
     config = Qwen3Config(
         vocab_size=target_config.vocab_size, hidden_size=target_config.hidden_size, intermediate_size=intermediate_size,
-        num_hidden_layers=1, num_attention_heads=target_config.num_attention_heads,
-        num_key_value_heads=target_config.num_key_value_heads, head_dim=target_config.head_dim,
+        num_hidden_layers=1, num_attention_heads=num_heads or target_config.num_attention_heads,
+        num_key_value_heads=num_kv_heads or target_config.num_key_value_heads, head_dim=target_config.head_dim,
         max_position_embeddings=target_config.max_position_embeddings, rms_norm_eps=1e-6,
         rope_parameters={"rope_type": "default", "rope_theta": 1e6},
         tie_word_embeddings=True)
@@ -78,7 +80,11 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--time-budget-s", type=float, default=150)
-    parser.add_argument("--intermediate-size", type=int, default=512)
+    # sizes: the head must fit the 16 MiB asset budget beside the target and draft (~0.8 MB left): ~376k params
+    parser.add_argument("--intermediate-size", type=int, default=192)
+    parser.add_argument("--num-attention-heads", type=int, default=2)
+    parser.add_argument("--num-key-value-heads", type=int, default=1)
+    parser.add_argument("--report", type=Path, default=None, help="training report JSON (default: beside the head)")
     parser.add_argument("--seq-len", type=int, default=1024)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--lr", type=float, default=2e-3)
@@ -105,7 +111,7 @@ def main() -> None:
     weights = {"plain": 0.35, "edit": 0.55, "chat": 0.10}
     sampler = BatchSampler({k: v.to(device) for k, v in data.streams.items()}, weights, args.seq_len,
                            args.batch_size, args.seed)
-    config = head_config(target.config, args.intermediate_size)
+    config = head_config(target.config, args.intermediate_size, args.num_attention_heads, args.num_key_value_heads)
     head = EagleTrainHead(config).to(device)
     opt = torch.optim.AdamW(head.parameters(), lr=args.lr, weight_decay=0.01, betas=(0.9, 0.95))
     budget = args.time_budget_s - (time.perf_counter() - start)
@@ -137,7 +143,7 @@ def main() -> None:
               "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}
     log(f"held-out: loss {report['heldout_loss']:.3f} top1 {report['heldout_top1_next_next']:.3f}")
     save_eagle_head(args.out, config, {k: v for k, v in head.state_dict().items() if not k.startswith("rotary.")})
-    (args.out / "training_report.json").write_text(json.dumps(report, indent=1))
+    (args.report or args.out / "training_report.json").write_text(json.dumps(report, indent=1))
     log(f"saved {args.out}")
 
 
