@@ -35,12 +35,22 @@ def main(argv: list[str] | None = None) -> int:
     ver.add_argument("--ignore-eos", action="store_true", help="always generate --max-tokens tokens")
     ver.add_argument("--debug-fault", choices=sorted(DEBUG_FAULTS), help=argparse.SUPPRESS)  # verify's self-test
     ver.set_defaults(run=_verify)
+    demo = sub.add_parser("demo", help="the embedded model completes a function and applies an edit, "
+                                       "with and without speculation")
+    demo.add_argument("--device", default="auto")
+    demo.set_defaults(run=_demo)
     args = parser.parse_args(argv)
     try:
         return args.run(args)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from truespec.entrypoints.demo import run_demo
+
+    return run_demo(args.device)
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
