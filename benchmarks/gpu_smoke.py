@@ -1,11 +1,12 @@
-"""GPU smoke of the engine path (torch reference layers on CUDA): the embedded model, greedy, float32 with
-TF32 off, no speculation vs each method; prints identical counts and tokens/s.
+"""GPU smoke of the engine on the embedded model (greedy, float32, TF32 off) through the torch reference
+layers and through the Triton kernels: no speculation vs each method; prints identical counts and tokens/s.
 
     python benchmarks/gpu_smoke.py --eagle DIR
 """
 
 import argparse
 import json
+import os
 import time
 from pathlib import Path
 
@@ -36,18 +37,23 @@ def main() -> None:
                "mtp k=3": {"method": "mtp", "num_speculative_tokens": 3}}
     if args.eagle:
         configs["eagle k=3"] = {"method": "eagle", "model": args.eagle, "num_speculative_tokens": 3}
-    reference = None
+    references: dict[str, list[list[int]]] = {}
     print(f"device: {torch.cuda.get_device_name()}")
-    for name, config in configs.items():
-        llm = LLM(str(DEFAULT_MODEL_DIR), speculative_config=config, **common)
-        start = time.perf_counter()
-        outs = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-        elapsed = time.perf_counter() - start
-        reference = reference or outs
-        same = sum(a == b for a, b in zip(outs, reference, strict=True))
-        m = llm.get_metrics()
-        print(f"{name:16s} identical {same}/{len(prompts)}  {sum(map(len, outs)) / elapsed:8.1f} tok/s  "
-              f"mean acceptance length {m['mean_acceptance_length']:.2f}", flush=True)
+    for backend in ("torch", "triton"):
+        os.environ["TRUESPEC_BACKEND"] = backend
+        for name, config in configs.items():
+            llm = LLM(str(DEFAULT_MODEL_DIR), speculative_config=config, **common)
+            llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)  # warm-up
+            start = time.perf_counter()
+            outs = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+            elapsed = time.perf_counter() - start
+            references.setdefault(backend, outs)
+            same = sum(a == b for a, b in zip(outs, references[backend], strict=True))
+            vs_torch = sum(a == b for a, b in zip(outs, references["torch"], strict=True))
+            m = llm.get_metrics()
+            print(f"{backend:6s} {name:16s} identical to no-spec {same}/{len(prompts)}, to torch no-spec "
+                  f"{vs_torch}/{len(prompts)}  {sum(map(len, outs)) / elapsed:8.1f} tok/s  "
+                  f"mean acceptance length {m['mean_acceptance_length']:.2f}", flush=True)
 
 
 if __name__ == "__main__":

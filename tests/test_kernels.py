@@ -282,25 +282,9 @@ def test_rms_norm_matches_reference(dtype: torch.dtype, form: str) -> None:
     assert_near(rms_norm(*args), rms_norm_ref(*args), dtype)
 
 
-def gdn_forward_with_kernels(layer: GatedDeltaNet, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-    """GatedDeltaNet.forward with its conv, recurrence and gated norm done by the kernels."""
-    cdt = compute_dtype(x.dtype)
-    meta = (ctx.query_start_loc, ctx.state_src, ctx.state_dst, ctx.state_write_start)
-    conv_out = causal_conv1d(layer.in_proj_qkv(x), layer.conv1d.weight, layer.conv_state, *meta)
-    q, k, v = conv_out.split([layer.key_dim, layer.key_dim, layer.value_dim], dim=-1)
-    k_heads, v_heads = (layer.num_k_heads, layer.head_k_dim), (layer.num_v_heads, layer.head_v_dim)
-    q, k, v = q.unflatten(-1, k_heads), k.unflatten(-1, k_heads), v.unflatten(-1, v_heads)
-    beta = layer.in_proj_b(x).sigmoid().to(cdt)
-    g = -layer.A_log.to(cdt).exp() * F.softplus(layer.in_proj_a(x).to(cdt) + layer.dt_bias.to(cdt))
-    core = gdn_recurrent(q, k, v, g, beta, layer.ssm_state, *meta)
-    z = layer.in_proj_z(x).view(-1, layer.num_v_heads, layer.head_v_dim)
-    core = rms_norm(core, layer.norm.weight, layer.norm.eps, gate=z)
-    return layer.out_proj(core.reshape(x.shape[0], layer.value_dim))
-
-
 @torch.no_grad()
 def test_gdn_kernels_reproduce_gated_deltanet_layer() -> None:
-    """The wiring recipe: the kernels give GatedDeltaNet.forward's output and states (float64)."""
+    """The layer's CUDA path (``_forward_kernels``) gives its reference forward's output and states (float64)."""
     gen = torch.Generator().manual_seed(7)
     layer = GatedDeltaNet(24, 2, 4, 12, 10, 4, 1e-6, "silu").to(device=DEVICE, dtype=torch.float64)
     for param in layer.parameters():
@@ -315,7 +299,7 @@ def test_gdn_kernels_reproduce_gated_deltanet_layer() -> None:
         expected = layer(x)
     expected_states = layer.conv_state, layer.ssm_state
     layer.conv_state, layer.ssm_state = states
-    assert_near(gdn_forward_with_kernels(layer, x, ctx), expected, torch.float64)
+    assert_near(layer._forward_kernels(x, ctx), expected, torch.float64)
     assert torch.equal(layer.conv_state, expected_states[0])
     assert_near(layer.ssm_state, expected_states[1], torch.float64)
 

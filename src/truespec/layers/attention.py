@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from truespec.forward_context import ForwardContext, get_forward_context
+from truespec.layers.backend import kernels, use_kernels
 from truespec.layers.precision import compute_dtype
 
 
@@ -81,6 +82,10 @@ class PagedAttention(nn.Module):
         if self.kv_cache is None:
             raise RuntimeError("PagedAttention.kv_cache is not bound: the model runner must bind it first")
         ctx = get_forward_context()
+        if use_kernels(q):  # one Triton kernel for decode, verify and prefill rows (invariant 4)
+            kernels().reshape_and_cache(k, v, self.kv_cache, ctx.slot_mapping)
+            return kernels().paged_attention(q, self.kv_cache, ctx.query_start_loc, ctx.seq_lens, ctx.block_tables,
+                                             self.scale)
         write_kv(self.kv_cache, k, v, ctx.slot_mapping)
         out = torch.zeros_like(q)
         for r in range(ctx.num_reqs):

@@ -14,8 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from truespec.forward_context import get_forward_context
+from truespec.forward_context import ForwardContext, get_forward_context
 from truespec.layers.activation import get_activation
+from truespec.layers.backend import kernels, use_kernels
 from truespec.layers.norm import GatedRMSNorm
 from truespec.layers.precision import compute_dtype
 
@@ -101,6 +102,8 @@ class GatedDeltaNet(nn.Module):
         if self.conv_state is None or self.ssm_state is None:
             raise RuntimeError("GatedDeltaNet conv_state/ssm_state are not bound: the model runner must bind them")
         ctx = get_forward_context()
+        if use_kernels(x):
+            return self._forward_kernels(x, ctx)
         cdt = compute_dtype(x.dtype)
         mixed_qkv = self.in_proj_qkv(x)  # [T, conv_dim]
         z = self.in_proj_z(x).view(-1, self.num_v_heads, self.head_v_dim)
@@ -117,6 +120,21 @@ class GatedDeltaNet(nn.Module):
                 core[rows] = self._run_request(mixed_qkv[rows], g[rows], beta[rows], initial[r], dst[r], write_start[r])
         core = self.norm(core, z).reshape(x.shape[0], self.value_dim)
         return self.out_proj(core)
+
+    def _forward_kernels(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """The same layer through the Triton kernels: no host sync, graph-safe (tests/test_kernels.py)."""
+        k_ops, cdt = kernels(), compute_dtype(x.dtype)
+        meta = (ctx.query_start_loc, ctx.state_src, ctx.state_dst, ctx.state_write_start)
+        conv_out = k_ops.causal_conv1d(self.in_proj_qkv(x), self.conv1d.weight, self.conv_state, *meta)
+        q, k, v = conv_out.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        k_heads, v_heads = (self.num_k_heads, self.head_k_dim), (self.num_v_heads, self.head_v_dim)
+        q, k, v = q.unflatten(-1, k_heads), k.unflatten(-1, k_heads), v.unflatten(-1, v_heads)
+        beta = self.in_proj_b(x).sigmoid().to(cdt)
+        g = -self.A_log.to(cdt).exp() * F.softplus(self.in_proj_a(x).to(cdt) + self.dt_bias.to(cdt))
+        core = k_ops.gdn_recurrent(q, k, v, g, beta, self.ssm_state, *meta)
+        z = self.in_proj_z(x).view(-1, self.num_v_heads, self.head_v_dim)
+        core = k_ops.rms_norm(core, self.norm.weight, self.norm.eps, gate=z)
+        return self.out_proj(core.reshape(x.shape[0], self.value_dim))
 
     def _read_state(self, slot: int, x: torch.Tensor) -> _RequestStates:
         if slot < 0:
