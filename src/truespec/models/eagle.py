@@ -21,35 +21,25 @@ from transformers import Qwen3Config
 from truespec.layers.norm import RMSNorm
 from truespec.layers.rotary import rope_from_config
 from truespec.models.base import CausalLM
+from truespec.models.draft_head import HiddenStateDraftHead
 from truespec.models.llama import LlamaDecoderLayer, head_dim_of
 from truespec.models.mtp import load_state
 
 MODEL_TYPE = "truespec_eagle"
 
 
-class EagleHead(nn.Module):
-    uses_target_hidden = True
-
+class EagleHead(HiddenStateDraftHead):
     def __init__(self, config: Any, target: CausalLM | None) -> None:
-        super().__init__()
+        super().__init__(target)
         h = config.hidden_size
         self.config = config
         self.fc = nn.Linear(2 * h, h, bias=False)
         self.layers = nn.ModuleList([LlamaDecoderLayer(config, qk_norm=True)])
         self.norm = RMSNorm(h, config.rms_norm_eps)
         self.rotary_emb = rope_from_config(config, head_dim_of(config))
-        self._target = [target]  # shared embedding and lm_head, not registered as a submodule
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        # input_ids, positions: [T]; hidden: [T, H] the target's (or this head's previous) normed hidden
-        x = self.fc(torch.cat([self._target[0].embed_tokens(input_ids), hidden], dim=-1))
-        cos, sin = self.rotary_emb(positions, x.dtype)
-        for layer in self.layers:
-            x = layer(x, cos, sin)
-        return self.norm(x)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self._target[0].compute_logits(hidden)
+    def fuse(self, embeds: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        return self.fc(torch.cat([embeds, hidden], dim=-1))
 
 
 def save_eagle_head(directory: str | Path, layer_config: Qwen3Config, state_dict: dict[str, torch.Tensor],

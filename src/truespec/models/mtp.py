@@ -14,14 +14,13 @@ from torch import nn
 from truespec.layers.norm import RMSNorm
 from truespec.layers.rotary import rope_from_config
 from truespec.models.base import CausalLM
+from truespec.models.draft_head import HiddenStateDraftHead
 from truespec.models.qwen3_5 import Qwen3_5DecoderLayer
 
 
-class MTPHead(nn.Module):
-    uses_target_hidden = True
-
-    def __init__(self, config: Any, target: CausalLM) -> None:
-        super().__init__()
+class MTPHead(HiddenStateDraftHead):
+    def __init__(self, config: Any, target: CausalLM | None) -> None:
+        super().__init__(target)
         h, eps = config.hidden_size, config.rms_norm_eps
         self.pre_fc_norm_embedding = RMSNorm(h, eps, unit_offset=True)
         self.pre_fc_norm_hidden = RMSNorm(h, eps, unit_offset=True)
@@ -30,19 +29,9 @@ class MTPHead(nn.Module):
         self.layers = nn.ModuleList([Qwen3_5DecoderLayer(config, "full_attention") for _ in range(num_layers)])
         self.norm = RMSNorm(h, eps, unit_offset=True)
         self.rotary_emb = rope_from_config(config, config.head_dim)
-        self._target = [target]  # shared embedding and lm_head, not registered as a submodule
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        # input_ids, positions: [T]; hidden: [T, H] the target's (or this head's previous) normed hidden
-        e = self.pre_fc_norm_embedding(self._target[0].embed_tokens(input_ids))
-        x = self.fc(torch.cat([e, self.pre_fc_norm_hidden(hidden)], dim=-1))
-        cos, sin = self.rotary_emb(positions, x.dtype)
-        for layer in self.layers:
-            x = layer(x, cos, sin)
-        return self.norm(x)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self._target[0].compute_logits(hidden)
+    def fuse(self, embeds: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        return self.fc(torch.cat([self.pre_fc_norm_embedding(embeds), self.pre_fc_norm_hidden(hidden)], dim=-1))
 
 
 def load_mtp_head(config: Any, target: CausalLM, mtp_weights: dict[str, torch.Tensor]) -> MTPHead:

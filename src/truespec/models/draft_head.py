@@ -1,0 +1,33 @@
+"""What the MTP and EAGLE heads share: fuse (token embedding, hidden state) -> decoder layer(s) -> norm,
+with the target's embedding and lm_head (held by reference, not registered as submodules)."""
+
+import torch
+from torch import nn
+
+from truespec.models.base import CausalLM
+
+
+class HiddenStateDraftHead(nn.Module):
+    uses_target_hidden = True  # the drafter feeds it the target's final-normed hidden states
+    layers: nn.ModuleList
+    norm: nn.Module
+    rotary_emb: nn.Module
+
+    def __init__(self, target: CausalLM | None) -> None:
+        super().__init__()
+        self._target = [target]
+
+    def fuse(self, embeds: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """[T, H] embeddings of x_{t+1} and hidden states h_t -> [T, H] input of the decoder layer."""
+        raise NotImplementedError
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        # input_ids, positions: [T]; hidden: [T, H] the target's (or this head's previous) normed hidden
+        x = self.fuse(self._target[0].embed_tokens(input_ids), hidden)
+        cos, sin = self.rotary_emb(positions, x.dtype)
+        for layer in self.layers:
+            x = layer(x, cos, sin)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self._target[0].compute_logits(hidden)
