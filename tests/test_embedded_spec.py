@@ -31,12 +31,19 @@ def reference() -> tuple[list[str], list[list[int]]]:
     return prompts, [o.outputs[0].token_ids for o in base.generate(prompts, PARAMS, use_tqdm=False)]
 
 
-@pytest.mark.parametrize("k", [3, 8])
+SHAPES = {"mixed": {"max_num_batched_tokens": 64, "max_model_len": 2048},  # chunks beside verifies and decodes
+          # 18 blocks x 16 = 288 tokens: room for the longest request (226 + 32), far less than all six together
+          "preempting": {"max_num_batched_tokens": 64, "max_model_len": 272, "num_gpu_blocks_override": 18}}
+
+
+@pytest.mark.parametrize("k, shape", [(1, "mixed"), (3, "mixed"), (8, "mixed"), (3, "preempting")])
 @pytest.mark.parametrize("method", ["ngram", "draft_model", "mtp", "eagle"])
-def test_embedded_model_speculation_is_lossless(reference: tuple, method: str, k: int) -> None:
+def test_embedded_model_speculation_is_lossless(reference: tuple, method: str, k: int, shape: str) -> None:
     prompts, ref = reference
-    llm = LLM(str(DEFAULT_MODEL_DIR), dtype="float64", device="cpu", max_model_len=2048, max_num_batched_tokens=64,
-              speculative_config=methods(k)[method])
+    llm = LLM(str(DEFAULT_MODEL_DIR), dtype="float64", device="cpu", speculative_config=methods(k)[method],
+              **SHAPES[shape])
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, PARAMS, use_tqdm=False)] == ref
     assert llm.generate(prompts[0], PARAMS, use_tqdm=False)[0].outputs[0].token_ids == ref[0]  # batch size 1
     assert llm.get_metrics()["num_accepted_tokens"] > 0
+    if shape == "preempting":
+        assert llm.llm_engine.scheduler.num_preemptions > 0

@@ -148,3 +148,13 @@ def test_seeded_random_sampling_with_speculation_is_batch_invariant(tiny_models:
     together = generate(llm, prompts, params)
     solo = [generate(llm, [p], sp)[0] for p, sp in zip(prompts, params, strict=True)]
     assert together == solo
+
+
+def test_sixty_four_drafts_like_fast_apply(tiny_models: dict[str, Path], references: dict) -> None:
+    """k = 64 (the fast-apply workload of CONTEXT.md): long accepted runs, partial ones, none."""
+    prompts, ref = references["hybrid"]
+    llm = spec_llm(tiny_models["hybrid"], 64, max_num_batched_tokens=80)
+    llm.llm_engine.proposer = OracleProposer({tuple(p["prompt_token_ids"]): r for p, r in zip(prompts, ref,
+                                                                                             strict=True)}, 64, 300)
+    assert generate(llm, prompts, greedy()) == ref
+    assert max(i for i, n in enumerate(llm.get_metrics()["num_accepted_tokens_per_pos"]) if n) >= 16
