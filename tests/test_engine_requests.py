@@ -154,6 +154,10 @@ def test_invalid_engine_config_names_the_field(tiny_models: dict[str, Path]) -> 
         LLM(str(tiny_models["qwen3"]), device="cpu", max_model_len=4096)
     with pytest.raises(ValueError, match="num_gpu_blocks_override"):
         LLM(str(tiny_models["qwen3"]), device="cpu", max_model_len=512, num_gpu_blocks_override=2)
+    with pytest.raises(ValueError, match="gpu_memory_utilization"):
+        LLM(str(tiny_models["qwen3"]), gpu_memory_utilization="0.5")
+    with pytest.raises(ValueError, match="seed"):
+        LLM(str(tiny_models["qwen3"]), seed=True)
 
 
 def test_cli_generate(tiny_models: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
@@ -162,3 +166,43 @@ def test_cli_generate(tiny_models: dict[str, Path], capsys: pytest.CaptureFixtur
     captured = capsys.readouterr()
     assert captured.out.startswith("def f(x):") and "tokens/s" in captured.err
     assert cli_main(["generate", "--model", "/no/such/dir", "x"]) == 2
+
+
+def test_failure_after_the_forward_leaves_other_requests_exact(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step that fails after the forward wrote state slots must not let a request run on from a half-written
+    state: the engine preempts (recomputes) the step's requests, so their output is unchanged."""
+    prompts = random_prompts([30, 70], seed=21)
+    reference = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    engine, runner = llm.llm_engine, llm.llm_engine.runner
+    ids = [engine.add_request(p, GREEDY) for p in prompts]
+    seqs = [engine.seqs[i] for i in ids]
+    for _ in range(5):
+        engine.step()
+    real_execute = runner.execute
+
+    def execute_then_fail(*args: object, **kwargs: object) -> object:
+        real_execute(*args, **kwargs)  # the forward ran and wrote KV and state slots
+        raise RuntimeError("injected failure after the forward")
+
+    monkeypatch.setattr(runner, "execute", execute_then_fail)
+    with pytest.raises(RuntimeError, match="after the forward"):
+        engine.step()
+    monkeypatch.undo()
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert [s.output_token_ids for s in seqs] == reference
+    assert_all_free(llm)
+
+
+@pytest.mark.parametrize("params, field", [
+    (SamplingParams(max_tokens=4, min_tokens=2, stop_token_ids=[10**6]), "stop_token_ids"),
+])
+def test_request_values_checked_against_the_model(llm: LLM, params: SamplingParams, field: str) -> None:
+    with pytest.raises(ValueError, match=field):
+        llm.generate(random_prompts([4]), params, use_tqdm=False)
+    assert_all_free(llm)
+
+
+def test_bool_token_ids_rejected(llm: LLM) -> None:
+    with pytest.raises(ValueError, match="prompt_token_ids"):
+        llm.generate({"prompt_token_ids": [True, 2]}, GREEDY, use_tqdm=False)

@@ -8,7 +8,8 @@ from truespec import SamplingParams
 @pytest.mark.parametrize("field, value", [
     ("temperature", -0.1), ("temperature", float("nan")), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -2),
     ("min_p", 1.5), ("max_tokens", 0), ("min_tokens", -1), ("seed", 1.5), ("stop", [""]),
-    ("stop_token_ids", [-1]), ("n", 2), ("temperature", "hot"),
+    ("stop_token_ids", [-1]), ("n", 2), ("temperature", "hot"), ("seed", 2**64), ("seed", True), ("logprobs", 21),
+    ("logprobs", -1),
 ])
 def test_invalid_sampling_params_name_the_field(field: str, value: object) -> None:
     with pytest.raises(ValueError, match=field):

@@ -82,3 +82,16 @@ def test_block_manager_slots_follow_block_table() -> None:
         s.block_ids[0] * 4, s.block_ids[0] * 4 + 3, s.block_ids[1] * 4, s.block_ids[1] * 4 + 1]
     with pytest.raises(RuntimeError):
         bm.allocate(s, 100)
+
+
+def test_a_verify_that_waited_goes_first_next_step() -> None:
+    """Drafts are never cut by the batch, so a verify that does not fit waits whole; it must not starve."""
+    sched = make(num_blocks=64, budget=8)
+    for name in ("a", "b", "c"):
+        sched.add(seq(name, 1))
+    run_step(sched)  # three 1-token prefills, each gets a token
+    for s in sched.running:
+        s.draft_token_ids = [5] * 5  # 1 + 5 = 6 tokens each: only one verify fits a step of 8
+    first = run_step(sched)
+    second = run_step(sched)
+    assert first[0] == ("a", 1) and second[0][0] in ("b", "c")  # the waiting ones are served first

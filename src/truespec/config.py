@@ -33,14 +33,20 @@ class EngineConfig:
                f"must be a positive int, got {self.max_model_len!r}")
         _check(self.num_gpu_blocks_override is None or _pos_int(self.num_gpu_blocks_override),
                "num_gpu_blocks_override", f"must be a positive int, got {self.num_gpu_blocks_override!r}")
-        _check(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization",
-               f"must be in (0, 1], got {self.gpu_memory_utilization!r}")
-        _check(self.cpu_kv_cache_space_gib > 0, "cpu_kv_cache_space_gib", "must be > 0")
-        _check(isinstance(self.seed, int), "seed", f"must be an int, got {self.seed!r}")
+        _check(_number(self.gpu_memory_utilization) and 0 < self.gpu_memory_utilization <= 1,
+               "gpu_memory_utilization", f"must be a number in (0, 1], got {self.gpu_memory_utilization!r}")
+        _check(_number(self.cpu_kv_cache_space_gib) and self.cpu_kv_cache_space_gib > 0, "cpu_kv_cache_space_gib",
+               f"must be a number > 0, got {self.cpu_kv_cache_space_gib!r}")
+        _check(isinstance(self.seed, int) and not isinstance(self.seed, bool), "seed",
+               f"must be an int, got {self.seed!r}")
 
     @property
     def num_speculative_tokens(self) -> int:
         return 0 if self.speculative_config is None else self.speculative_config.num_speculative_tokens
+
+
+def _number(x: object) -> bool:
+    return isinstance(x, int | float) and not isinstance(x, bool)
 
 
 def _pos_int(x: object) -> bool:

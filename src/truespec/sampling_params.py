@@ -2,6 +2,8 @@
 
 from dataclasses import dataclass
 
+MAX_LOGPROBS = 20  # as vLLM's default max_logprobs
+
 
 @dataclass
 class SamplingParams:
@@ -30,15 +32,16 @@ class SamplingParams:
         _check(_is_int(self.top_k) and (self.top_k >= 0 or self.top_k == -1), "top_k",
                "must be -1, 0 (disabled) or >= 1", self.top_k)
         _check(_is_number(self.min_p) and 0 <= self.min_p <= 1, "min_p", "must be in [0, 1]", self.min_p)
-        _check(self.seed is None or _is_int(self.seed), "seed", "must be an int or None", self.seed)
+        _check(self.seed is None or (_is_int(self.seed) and -(2**63) <= self.seed < 2**64), "seed",
+               "must be None or an int in [-2**63, 2**64)", self.seed)
         _check(self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1), "max_tokens",
                "must be >= 1 or None", self.max_tokens)
         _check(_is_int(self.min_tokens) and self.min_tokens >= 0, "min_tokens", "must be >= 0",
                self.min_tokens)
         _check(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
                f"must be <= max_tokens ({self.max_tokens})", self.min_tokens)
-        _check(self.logprobs is None or (_is_int(self.logprobs) and self.logprobs >= 0), "logprobs",
-               "must be None or >= 0", self.logprobs)
+        _check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS), "logprobs",
+               f"must be None or in [0, {MAX_LOGPROBS}]", self.logprobs)
         _check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings",
                self.stop)
         _check(all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",

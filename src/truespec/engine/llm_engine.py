@@ -40,10 +40,9 @@ class LLMEngine:
                                    config.max_num_batched_tokens)
         self.stop_checker = StopChecker(self.tokenizer, self.hf_config, config.model)
         self.proposer = make_proposer(config.speculative_config, loaded, self.block_manager, self.state_manager,
-                                      self.device, config.seed)
+                                      self.scheduler.max_drafts, self.device, config.seed)
         self.spec_metrics = SpecDecodeMetrics(k)
         self.seqs: dict[str, Sequence] = {}
-        self.fault_stale_state_after_accept = False  # test hook: reproduces vLLM #40738 (state from slot 0)
         self._ids = itertools.count()
 
     # ---- requests ------------------------------------------------------------------------------
@@ -60,6 +59,10 @@ class LLMEngine:
         bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"prompt_token_ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
+        bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
+        if bad:
+            raise ValueError(f"SamplingParams.stop_token_ids {bad[:5]} are outside the vocabulary "
+                             f"[0, {self.vocab_size})")
         max_output_len = self.max_model_len - len(token_ids)
         if params.max_tokens is not None:
             max_output_len = min(max_output_len, params.max_tokens)
@@ -90,11 +93,20 @@ class LLMEngine:
         out = self.scheduler.schedule()
         if not out.scheduled:
             return []
-        step = self.runner.execute(out.scheduled, self.block_manager, self.state_manager, self.stop_checker)
-        finished = [s.seq for s, tokens, logprobs in zip(out.scheduled, step.tokens, step.logprobs, strict=True)
-                    if self._postprocess(s, tokens, logprobs)]
-        if self.proposer is not None:  # requests that got a new token decode next: draft for them
-            self.proposer.propose(out.scheduled, step)
+        try:
+            step = self.runner.execute(out.scheduled, self.block_manager, self.state_manager, self.stop_checker)
+            finished = [s.seq for s, tokens, logprobs in zip(out.scheduled, step.tokens, step.logprobs, strict=True)
+                        if self._postprocess(s, tokens, logprobs)]
+            if self.proposer is not None:  # requests that got a new token decode next: draft for them
+                self.proposer.propose(out.scheduled, step)
+        except BaseException:
+            # The forward may have overwritten state slots (and drafter caches) that postprocess never
+            # accounted for: every request of the step restarts from its tokens, so none runs on from a
+            # half-written state. Their output is unchanged; the error goes to the caller.
+            for s in out.scheduled:
+                if not s.seq.is_finished and s.seq in self.scheduler.running:
+                    self.scheduler.preempt(s.seq)
+            raise
         return finished
 
     def _postprocess(self, s: ScheduledSeq, tokens: list[int], logprobs: list[dict[int, float]] | None) -> bool:
@@ -102,8 +114,7 @@ class LLMEngine:
         seq = s.seq
         num_accepted = max(len(tokens) - 1, 0)
         seq.num_computed_tokens += s.num_new_tokens + num_accepted
-        # the slot holding the state after the last accepted token (a fault hook can break it, for tests)
-        seq.state_index = 0 if self.fault_stale_state_after_accept else num_accepted
+        seq.state_index = num_accepted  # the slot holding the state after the last accepted token
         if tokens:  # the last chunk ran: its drafts are used up
             seq.draft_token_ids, seq.draft_probs = [], None
             self.spec_metrics.observe(len(s.draft_token_ids), num_accepted)
@@ -125,7 +136,7 @@ class LLMEngine:
             return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             ids = prompt["prompt_token_ids"]
-            if not isinstance(ids, list | tuple) or not all(isinstance(t, int) for t in ids):
+            if not isinstance(ids, list | tuple) or not all(type(t) is int for t in ids):  # bool is no token
                 raise ValueError("prompt_token_ids must be a list of ints")
             return prompt.get("prompt"), list(ids)
         if isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str):

@@ -16,7 +16,6 @@ from truespec.engine.state_manager import StateManager
 from truespec.engine.stop_checker import StopChecker
 from truespec.forward_context import ForwardContext, set_forward_context
 from truespec.layers.rejection_sampler import rejection_sample
-from truespec.sampling_params import SamplingParams
 
 
 @dataclass
@@ -36,7 +35,6 @@ class ModelRunner:
         self.attention_layers = list(model.attention_layers())
         self.gdn_layers = list(model.gdn_layers())
         self._generators: dict[str, torch.Generator] = {}
-        self._num_generators_made = 0
 
     # ---- cache sizing and allocation -------------------------------------------------------
     @property
@@ -53,13 +51,7 @@ class ModelRunner:
         return total
 
     def allocate_caches(self, num_blocks: int, block_size: int, num_state_slots: int) -> None:
-        for layer in self.attention_layers:
-            layer.kv_cache = torch.zeros(layer.kv_cache_shape(num_blocks, block_size), dtype=self.dtype,
-                                         device=self.device)
-        for layer in self.gdn_layers:
-            (conv_shape, ssm_shape), (conv_dtype, ssm_dtype) = layer.state_shapes(), layer.state_dtypes()
-            layer.conv_state = torch.zeros(num_state_slots, *conv_shape, dtype=conv_dtype, device=self.device)
-            layer.ssm_state = torch.zeros(num_state_slots, *ssm_shape, dtype=ssm_dtype, device=self.device)
+        allocate_caches(self.model, num_blocks, block_size, num_state_slots, self.device)
 
     # ---- one step --------------------------------------------------------------------------
     @torch.inference_mode()
@@ -114,10 +106,7 @@ class ModelRunner:
             return None
         gen = self._generators.get(seq.request_id)
         if gen is None:
-            gen = torch.Generator(device=self.device)
-            gen.manual_seed(_request_seed(seq.params, self.seed, self._num_generators_made))
-            self._num_generators_made += 1
-            self._generators[seq.request_id] = gen
+            gen = self._generators[seq.request_id] = seq.make_generator(self.device, self.seed)
         return gen
 
     def release(self, request_id: str) -> None:
@@ -125,7 +114,8 @@ class ModelRunner:
 
 
 def _top_logprobs(logprobs: torch.Tensor, tokens: list[int], num: int) -> list[dict[int, float]]:
-    """For each emitted token: its log-probability and the ``num`` most likely tokens' (raw logits)."""
+    """For each emitted token: its log-probability and the ``num`` most likely tokens' (log-softmax of the raw
+    logits, before temperature / top-k / top-p)."""
     out = []
     for row, token in zip(logprobs, tokens, strict=False):
         top = torch.topk(row, num) if num > 0 else None
@@ -135,10 +125,16 @@ def _top_logprobs(logprobs: torch.Tensor, tokens: list[int], num: int) -> list[d
     return out
 
 
-def _request_seed(params: SamplingParams, engine_seed: int, counter: int) -> int:
-    if params.seed is not None:
-        return params.seed
-    return (engine_seed * 1_000_003 + counter) % (2**63)
+def allocate_caches(model: torch.nn.Module, num_blocks: int, block_size: int, num_state_slots: int,
+                    device: torch.device) -> None:
+    """Bind zeroed caches to a model's (or drafter's) layers: paged KV for its attention layers, state slots
+    for its GDN layers, in the dtypes the layers declare."""
+    for layer in model.attention_layers():
+        layer.kv_cache = torch.zeros(layer.kv_cache_shape(num_blocks, block_size), dtype=model.dtype, device=device)
+    for layer in model.gdn_layers():
+        (conv_shape, ssm_shape), (conv_dtype, ssm_dtype) = layer.state_shapes(), layer.state_dtypes()
+        layer.conv_state = torch.zeros(num_state_slots, *conv_shape, dtype=conv_dtype, device=device)
+        layer.ssm_state = torch.zeros(num_state_slots, *ssm_shape, dtype=ssm_dtype, device=device)
 
 
 def _element_size(dtype: torch.dtype) -> int:

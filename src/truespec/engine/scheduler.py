@@ -22,28 +22,22 @@ class ScheduledSeq:
     num_new_tokens: int  # tokens of the sequence computed this step (prefill chunk, or 1 for a decode)
     draft_token_ids: list[int] = field(default_factory=list)  # drafts verified after them (decodes only)
     start: int = field(init=False)  # tokens the request had cached when scheduled
+    # True when this step computes up to the request's last token, so a new token is sampled
+    is_last_chunk: bool = field(init=False)
 
     def __post_init__(self) -> None:
         self.start = self.seq.num_computed_tokens
+        self.is_last_chunk = self.start + self.num_new_tokens == self.seq.num_tokens
 
     @property
     def query_len(self) -> int:
         return self.num_new_tokens + len(self.draft_token_ids)
-
-    @property
-    def is_last_chunk(self) -> bool:
-        """True when this step computes up to the request's last token, so a new token is sampled."""
-        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
 
 
 @dataclass
 class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
 
 
 class Scheduler:
@@ -66,11 +60,12 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
-        i = 0
+        i, skipped = 0, []
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             plan = self._plan(seq, budget)
             if plan is None:  # a verify that does not fit this step waits whole (its drafts are never cut)
+                skipped.append(seq)
                 i += 1
                 continue
             n, drafts = plan
@@ -80,6 +75,10 @@ class Scheduler:
             out.scheduled.append(ScheduledSeq(seq, n, drafts))
             budget -= n + len(drafts)
             i += 1
+        skipped += self.running[i:]  # not reached: the budget ran out
+        if skipped:  # whoever waited this step goes first in the next (stable: otherwise arrival order)
+            waited = set(map(id, skipped))
+            self.running.sort(key=lambda s: id(s) not in waited)
         if not out.preempted:
             self._admit(budget, out)
         return out
@@ -91,13 +90,17 @@ class Scheduler:
         are cut only by limits of the request itself, never by the rest of the batch: so a request verifies
         the same drafts alone or in any batch, and its seeded random draws stay batch invariant."""
         remaining = seq.num_uncomputed_tokens
-        room = min(self.max_num_batched_tokens - 1, seq.max_output_len - len(seq.output_token_ids) - 1)
-        drafts = seq.draft_token_ids[:max(0, room)]
+        drafts = seq.draft_token_ids[:self.max_drafts(seq)]
         if remaining + len(drafts) <= budget:
             return remaining, drafts
         if remaining > 1:
             return min(remaining - 1, budget), []  # a prefill chunk; the drafts wait for the last one
         return None
+
+    def max_drafts(self, seq: Sequence) -> int:
+        """Drafts a request may verify in one step: what fits a step's budget beside its input token, and
+        what it may still emit. Depends on the request alone (the proposer drafts no more than this)."""
+        return max(0, min(self.max_num_batched_tokens - 1, seq.max_output_len - len(seq.output_token_ids) - 1))
 
     def _make_room(self, seq: Sequence, num_new_tokens: int, out: SchedulerOutput) -> bool:
         while not self.block_manager.can_allocate(seq, num_new_tokens):

@@ -2,6 +2,8 @@
 
 from enum import Enum, auto
 
+import torch
+
 from truespec.sampling_params import SamplingParams
 
 
@@ -33,6 +35,14 @@ class Sequence:
         self.num_drafter_computed_tokens = 0  # positions in a model drafter's cache
         self.draft_token_ids: list[int] = []  # proposed for the next step's verify
         self.draft_probs = None  # [len(draft_token_ids), vocab] tensor when the drafter sampled, else None
+
+    def make_generator(self, device: object, engine_seed: int, stream: int = 0) -> "torch.Generator":
+        """The request's own random stream (``stream`` 0: the target's sampling; 1: a drafter's), seeded by
+        ``params.seed`` or else by the engine seed and the request id: the same whatever the batch."""
+        base = self.params.seed if self.params.seed is not None else engine_seed * 1_000_003 + int(self.request_id)
+        gen = torch.Generator(device=device)
+        gen.manual_seed((base + stream * 0x9E3779B97F4A7C15) % 2**64)
+        return gen
 
     @property
     def token_ids(self) -> list[int]:

@@ -50,7 +50,17 @@ KNOBS: tuple[Knob, ...] = (
 
 
 def _stale_state(llm: LLM) -> None:
-    llm.llm_engine.fault_stale_state_after_accept = True  # reproduces vLLM #40738 on hybrid models
+    """After each verify, point the request back at state slot 0 instead of the slot after its last accepted
+    token: the recurrent-state bug of vLLM #40738 on hybrid models (nothing changes for dense models)."""
+    engine = llm.llm_engine
+    postprocess = engine._postprocess
+
+    def stale(s: object, tokens: list[int], logprobs: object) -> bool:
+        finished = postprocess(s, tokens, logprobs)
+        s.seq.state_index = 0
+        return finished
+
+    engine._postprocess = stale
 
 
 # Faults injected into the candidate, to check that verify catches a real bug class (a self-test).

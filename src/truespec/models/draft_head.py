@@ -4,11 +4,13 @@ with the target's embedding and lm_head (held by reference, not registered as su
 import torch
 from torch import nn
 
+from truespec.layers.attention import PagedAttention
 from truespec.models.base import CausalLM
 
 
 class HiddenStateDraftHead(nn.Module):
     uses_target_hidden = True  # the drafter feeds it the target's final-normed hidden states
+    fc: nn.Linear
     layers: nn.ModuleList
     norm: nn.Module
     rotary_emb: nn.Module
@@ -31,3 +33,13 @@ class HiddenStateDraftHead(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self._target[0].compute_logits(hidden)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.fc.weight.dtype
+
+    def attention_layers(self) -> list[PagedAttention]:
+        return [m for m in self.modules() if isinstance(m, PagedAttention)]
+
+    def gdn_layers(self) -> list[nn.Module]:
+        return []  # one full-attention decoder layer: KV only

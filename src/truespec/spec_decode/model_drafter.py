@@ -13,12 +13,13 @@ then; a draft model catches up on all known tokens when it must draft.
 """
 
 import weakref
+from collections.abc import Callable
 
 import torch
 
 from truespec.engine.block_manager import BlockManager
 from truespec.engine.context_builder import ContextRow, build_forward_context
-from truespec.engine.model_runner import StepOutput
+from truespec.engine.model_runner import StepOutput, allocate_caches
 from truespec.engine.scheduler import ScheduledSeq
 from truespec.engine.sequence import Sequence
 from truespec.engine.state_manager import StateManager
@@ -28,19 +29,12 @@ from truespec.layers.sampler import probabilities
 
 class ModelDrafter:
     def __init__(self, head: torch.nn.Module, k: int, blocks: BlockManager, states: StateManager,
-                 device: torch.device, seed: int) -> None:
+                 max_drafts: Callable[[Sequence], int], device: torch.device, seed: int) -> None:
         self.head, self.k, self.blocks, self.states = head, k, blocks, states
-        self.device, self.seed = device, seed
+        self.max_drafts, self.device, self.seed = max_drafts, device, seed
         self.uses_target_hidden = bool(getattr(head, "uses_target_hidden", False))
         self._generators: weakref.WeakKeyDictionary[Sequence, torch.Generator] = weakref.WeakKeyDictionary()
-        dtype = next(head.parameters()).dtype
-        for layer in head.attention_layers() if hasattr(head, "attention_layers") else _modules(head, "kv_cache"):
-            layer.kv_cache = torch.zeros(layer.kv_cache_shape(blocks.num_blocks, blocks.block_size), dtype=dtype,
-                                         device=device)
-        for layer in head.gdn_layers() if hasattr(head, "gdn_layers") else []:
-            (conv_shape, ssm_shape), (conv_dtype, ssm_dtype) = layer.state_shapes(), layer.state_dtypes()
-            layer.conv_state = torch.zeros(states.num_slots, *conv_shape, dtype=conv_dtype, device=device)
-            layer.ssm_state = torch.zeros(states.num_slots, *ssm_shape, dtype=ssm_dtype, device=device)
+        allocate_caches(head, blocks.num_blocks, blocks.block_size, states.num_slots, device)
 
     # ---- the proposer interface --------------------------------------------------------------------
     @torch.inference_mode()
@@ -52,9 +46,7 @@ class ModelDrafter:
         if not jobs:
             return
         hidden = self._forward(jobs)
-        last_rows = torch.tensor([j.last_row for j in jobs], device=self.device)
-        current = [(j.seq, hidden[row]) for j, row in zip(jobs, last_rows.tolist(), strict=True)
-                   if budget.get(id(j.seq), 0) > 0]
+        current = [(j.seq, hidden[j.last_row]) for j in jobs if budget.get(id(j.seq), 0) > 0]
         drafts: dict[int, list[int]] = {id(seq): [] for seq, _ in current}
         probs: dict[int, list[torch.Tensor]] = {id(seq): [] for seq, _ in current}
         for j in range(self.k):
@@ -111,11 +103,13 @@ class ModelDrafter:
                 hidden_in.append(job.hidden)
             job.last_row = offset + n - 1
             offset += n
-            job.seq.num_drafter_computed_tokens = job.start + n
         ctx = build_forward_context(rows, self.blocks.block_size, self.device)
         with set_forward_context(ctx):
-            return self._run(_t(input_ids, self.device), _t(positions, self.device),
-                             torch.cat(hidden_in) if hidden_in else None)
+            hidden = self._run(_t(input_ids, self.device), _t(positions, self.device),
+                               torch.cat(hidden_in) if hidden_in else None)
+        for job in jobs:  # only once its KV / state is written
+            job.seq.num_drafter_computed_tokens = job.start + len(job.input_ids)
+        return hidden
 
     # ---- drafting ------------------------------------------------------------------------------------
     def _draft_step(self, current: list[tuple[Sequence, torch.Tensor]], drafts: dict[int, list[int]],
@@ -139,7 +133,7 @@ class ModelDrafter:
 
     def _num_drafts(self, seq: Sequence) -> int:
         """k, within what the request may still emit and the KV blocks that can be had for the drafts."""
-        want = max(0, min(self.k, seq.max_output_len - len(seq.output_token_ids) - 1))
+        want = min(self.k, self.max_drafts(seq))
         # positions written: catch-up up to num_tokens - 1 (draft model), drafts up to num_tokens + want - 2
         needed = seq.num_tokens + want - 1 - seq.num_computed_tokens
         if want and not self.blocks.can_allocate(seq, needed):
@@ -159,11 +153,8 @@ class ModelDrafter:
 
     def _generator(self, seq: Sequence) -> torch.Generator:
         gen = self._generators.get(seq)
-        if gen is None:
-            gen = torch.Generator(device=self.device)
-            base = seq.params.seed if seq.params.seed is not None else self.seed * 1_000_003 + int(seq.request_id)
-            gen.manual_seed((base * 7919 + 17) % (2**63))  # a stream apart from the target's sampling
-            self._generators[seq] = gen
+        if gen is None:  # a stream apart from the target's sampling
+            gen = self._generators[seq] = seq.make_generator(self.device, self.seed, stream=1)
         return gen
 
 
@@ -175,7 +166,3 @@ class _Job:
 
 def _t(values: list[int], device: torch.device) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.int64, device=device)
-
-
-def _modules(head: torch.nn.Module, attribute: str) -> list[torch.nn.Module]:
-    return [m for m in head.modules() if hasattr(m, attribute) and hasattr(m, "kv_cache_shape")]

@@ -2,6 +2,7 @@
 target's hidden states) and sets ``seq.draft_token_ids`` (and ``seq.draft_probs`` when it samples) for
 every request that got a new token, to be verified in its next step."""
 
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -10,6 +11,7 @@ from truespec.config import SpeculativeConfig
 from truespec.engine.block_manager import BlockManager
 from truespec.engine.model_runner import StepOutput
 from truespec.engine.scheduler import ScheduledSeq
+from truespec.engine.sequence import Sequence
 from truespec.engine.state_manager import StateManager
 from truespec.models.eagle import load_eagle_head
 from truespec.models.loader import LoadedModel, load_model
@@ -23,19 +25,23 @@ class Proposer(Protocol):
 
 
 def make_proposer(config: SpeculativeConfig | None, target: LoadedModel, blocks: BlockManager,
-                  states: StateManager, device: torch.device, seed: int) -> Proposer | None:
+                  states: StateManager, max_drafts: Callable[[Sequence], int], device: torch.device,
+                  seed: int) -> Proposer | None:
     if config is None:
         return None
     k = config.num_speculative_tokens
     if config.method == "ngram":
         return NgramProposer(k, config.prompt_lookup_min, config.prompt_lookup_max)
-    if config.method == "mtp":
-        head = load_mtp_head(target.hf_config, target.model, target.mtp_weights)
-    elif config.method == "eagle":
-        head = load_eagle_head(config.model, target.model, target.hf_config.hidden_size)
-    else:
-        head = _load_draft_model(config.model, target, device)
-    return ModelDrafter(head, k, blocks, states, device, seed)
+    try:
+        if config.method == "mtp":
+            head = load_mtp_head(target.hf_config, target.model, target.mtp_weights)
+        elif config.method == "eagle":
+            head = load_eagle_head(config.model, target.model, target.hf_config.hidden_size)
+        else:
+            head = _load_draft_model(config.model, target, device)
+    except (FileNotFoundError, ValueError) as e:  # say which part of the config it is about
+        raise type(e)(f"speculative_config ({config.method}, model={config.model!r}): {e}") from e
+    return ModelDrafter(head, k, blocks, states, max_drafts, device, seed)
 
 
 def _load_draft_model(model_dir: str, target: LoadedModel, device: torch.device) -> torch.nn.Module:

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from transformers import PreTrainedModel, PreTrainedTokenizerFast, Qwen3_5ForCausalLM, Qwen3ForCausalLM
 
 from .models import MTPHead
-from .train import mtp_logits
+from .train import edit_prompt_weights, mtp_logits
 
 
 @dataclass(frozen=True)
@@ -31,13 +31,16 @@ def write_prompts(prompts: list[Prompt], path: Path) -> None:
 
 @torch.no_grad()
 def heldout_metrics(
-    model: Qwen3_5ForCausalLM, mtp: MTPHead, draft: Qwen3ForCausalLM, stream: torch.Tensor, seq_len: int, batch: int
+    model: Qwen3_5ForCausalLM, mtp: MTPHead, draft: Qwen3ForCausalLM, stream: torch.Tensor, seq_len: int, batch: int,
+    mask_edit_prompts: bool = False,
 ) -> dict[str, float]:
-    """Non-overlapping seq_len windows over the held-out stream (documents joined by eos)."""
+    """Non-overlapping seq_len windows over the held-out stream (documents joined by eos).
+
+    With mask_edit_prompts, the two losses leave out the prompt side of edit tasks (as training does then)."""
     device = model.device
     windows = [stream[i : i + seq_len] for i in range(0, len(stream) - 2, seq_len)]
     windows = [w for w in windows if len(w) >= 3]
-    sums = torch.zeros(8, dtype=torch.float64, device=device)
+    sums = torch.zeros(9, dtype=torch.float64, device=device)
     for i in range(0, len(windows), batch):
         group = windows[i : i + batch]
         length = min(len(w) for w in group)
@@ -49,22 +52,25 @@ def heldout_metrics(
             draft_logits = draft(input_ids=ids[:, :-1]).logits.float()
         labels, labels2 = ids[:, 1:], ids[:, 2:]
         pred, draft_pred = logits.argmax(-1), draft_logits.argmax(-1)
+        w = edit_prompt_weights(ids)[:, 1:].flatten() if mask_edit_prompts else torch.ones_like(labels.flatten())
         sums += torch.stack(
             [
-                F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum"),
-                F.cross_entropy(draft_logits.flatten(0, 1), labels.flatten(), reduction="sum"),
+                (F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none") * w).sum(),
+                (F.cross_entropy(draft_logits.flatten(0, 1), labels.flatten(), reduction="none") * w).sum(),
                 (pred == labels).sum(),
                 (draft_pred == labels).sum(),
                 (draft_pred == pred).sum(),
                 torch.tensor(labels.numel(), device=device),
                 (mtp_out.argmax(-1) == labels2).sum(),
                 torch.tensor(labels2.numel(), device=device),
+                w.sum(),
             ]
         ).double()
-    loss, dloss, acc, dacc, agree, n, mtp_hits, mtp_n = sums.tolist()
+    loss, dloss, acc, dacc, agree, n, mtp_hits, mtp_n, loss_n = sums.tolist()
+    loss_n = max(loss_n, 1.0)
     return {
-        "target_loss_nats_per_token": loss / n,
-        "draft_loss_nats_per_token": dloss / n,
+        "target_loss_nats_per_token": loss / loss_n,
+        "draft_loss_nats_per_token": dloss / loss_n,
         "target_top1": acc / n,
         "draft_top1": dacc / n,
         "draft_target_argmax_agreement": agree / n,

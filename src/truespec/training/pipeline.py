@@ -56,6 +56,7 @@ class RunConfig:
     max_heldout_tokens: int | None = None
     smoke: bool = False
     weights: tuple[tuple[str, float], ...] = (("plain", 0.35), ("edit", 0.55), ("chat", 0.10))
+    mask_edit_prompts: bool = False  # experiment (off for the shipped model): no loss on edit prompts
 
 
 def smoke_config(out: Path, seed: int) -> RunConfig:
@@ -99,15 +100,15 @@ def run(cfg: RunConfig) -> dict:
 
     def val_fn() -> tuple[float, float]:  # selection criterion: plain + edit-task loss on validation files
         losses = [
-            heldout_metrics(model, mtp, draft, stream[: cfg.max_heldout_tokens], cfg.seq_len, eval_batch)
-            for stream in (data.val_stream, data.val_edit_stream)
+            heldout_metrics(model, mtp, draft, stream[: cfg.max_heldout_tokens], cfg.seq_len, eval_batch, masked)
+            for stream, masked in ((data.val_stream, False), (data.val_edit_stream, cfg.mask_edit_prompts))
         ]
         log("val plain/edit: target {:.4f}/{:.4f} draft {:.4f}/{:.4f}".format(
             *(m[k] for k in ("target_loss_nats_per_token", "draft_loss_nats_per_token") for m in losses)))
         return tuple(sum(m[k] for m in losses) for k in ("target_loss_nats_per_token", "draft_loss_nats_per_token"))
 
     budget = cfg.time_budget_s - cfg.eval_reserve_s - (time.perf_counter() - start)
-    train_cfg = TrainConfig(max_steps=cfg.max_steps, time_budget_s=budget)
+    train_cfg = TrainConfig(max_steps=cfg.max_steps, time_budget_s=budget, mask_edit_prompts=cfg.mask_edit_prompts)
     log(f"training: target {num_params(model)} + mtp {num_params(mtp)} params, draft {num_params(draft)}; "
         f"budget {budget:.0f} s")
     train_log = train(model, mtp, draft, sampler, train_cfg, device, val_fn, log)

@@ -29,6 +29,7 @@ class TrainConfig:
     calibrate_steps: int = 12
     log_every: int = 10
     num_evals: int = 12  # validation passes over the run; the best one (per model) is kept
+    mask_edit_prompts: bool = False  # no loss on the prompt side of edit tasks (original code + instruction)
 
 
 @dataclass
@@ -65,16 +66,47 @@ def make_optimizer(modules: list[nn.Module], lr: float, weight_decay: float) -> 
     return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), eps=1e-8, fused=fused)
 
 
-def _ce(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+EDIT_MARKER_IDS = (0, 4, 5, 6)  # <|endoftext|>, <|original|>, <|instruction|>, <|updated|> (fixed ids)
+
+
+def edit_prompt_weights(ids: torch.Tensor) -> torch.Tensor:
+    """[B, L] float: 0 where token j is on the prompt side of an edit task, else 1.
+
+    Token j is prompt-side iff the last marker strictly before it is <|original|> or <|instruction|>: the original
+    code, the instruction and the <|instruction|>/<|updated|> markers themselves. The updated code, its
+    <|endoftext|> and everything outside edit tasks (plain files, chat: no markers 4-6) keep weight 1. Before a
+    row's first marker (rows start at random offsets), the first marker at or after j decides: <|instruction|> or
+    <|updated|> means j is prompt-side."""
+    length = ids.shape[1]
+    pos = torch.arange(length, device=ids.device).expand_as(ids)
+    is_marker = torch.zeros_like(ids, dtype=torch.bool)
+    for m in EDIT_MARKER_IDS:
+        is_marker |= ids == m
+    last = torch.where(is_marker, pos, -1).cummax(1).values
+    last_before = F.pad(last[:, :-1], (1, 0), value=-1)
+    prev_tok = ids.gather(1, last_before.clamp(min=0))
+    nxt = torch.where(is_marker, pos, length).flip(1).cummin(1).values.flip(1)
+    next_tok = ids.gather(1, nxt.clamp(max=length - 1))
+    in_prompt = torch.where(
+        last_before >= 0, (prev_tok == 4) | (prev_tok == 5), (nxt < length) & ((next_tok == 5) | (next_tok == 6))
+    )
+    return (~in_prompt).float()
+
+
+def _ce(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
+    if weights is None:
+        return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+    ce = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="none")
+    w = weights.flatten()
+    return (ce * w).sum() / w.sum().clamp(min=1.0)
 
 
 def target_losses(
-    model: Qwen3_5ForCausalLM, mtp: MTPHead, ids: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:  # (next-token CE, MTP next-next-token CE)
+    model: Qwen3_5ForCausalLM, mtp: MTPHead, ids: torch.Tensor, weights: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:  # (next-token CE, MTP next-next-token CE); weights: [B, L] per token
     hidden = model.model(input_ids=ids).last_hidden_state  # [B, L, H], final-normed
-    loss = _ce(model.lm_head(hidden[:, :-1]), ids[:, 1:])
-    return loss, mtp_loss(model, mtp, ids, hidden)
+    loss = _ce(model.lm_head(hidden[:, :-1]), ids[:, 1:], None if weights is None else weights[:, 1:])
+    return loss, mtp_loss(model, mtp, ids, hidden, weights)
 
 
 def mtp_logits(model: Qwen3_5ForCausalLM, mtp: MTPHead, ids: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
@@ -86,12 +118,15 @@ def mtp_logits(model: Qwen3_5ForCausalLM, mtp: MTPHead, ids: torch.Tensor, hidde
     return model.lm_head(out)
 
 
-def mtp_loss(model: Qwen3_5ForCausalLM, mtp: MTPHead, ids: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-    return _ce(mtp_logits(model, mtp, ids, hidden)[:, :-1], ids[:, 2:])
+def mtp_loss(
+    model: Qwen3_5ForCausalLM, mtp: MTPHead, ids: torch.Tensor, hidden: torch.Tensor,
+    weights: torch.Tensor | None = None,
+) -> torch.Tensor:
+    return _ce(mtp_logits(model, mtp, ids, hidden)[:, :-1], ids[:, 2:], None if weights is None else weights[:, 2:])
 
 
-def draft_loss(draft: Qwen3ForCausalLM, ids: torch.Tensor) -> torch.Tensor:
-    return _ce(draft(input_ids=ids[:, :-1]).logits, ids[:, 1:])
+def draft_loss(draft: Qwen3ForCausalLM, ids: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
+    return _ce(draft(input_ids=ids[:, :-1]).logits, ids[:, 1:], None if weights is None else weights[:, 1:])
 
 
 def _step(opt: torch.optim.Optimizer, loss: torch.Tensor, params: list[nn.Parameter], cfg: TrainConfig) -> None:
@@ -146,11 +181,12 @@ def train(
         for group, base in bases:
             group["lr"] = base * lr_factor(step, num_steps, cfg)
         ids = sampler.next().to(device, non_blocking=True)
+        weights = edit_prompt_weights(ids) if cfg.mask_edit_prompts else None
         with torch.autocast(device.type, dtype=torch.bfloat16):
-            loss, loss_mtp = target_losses(model, mtp, ids)
+            loss, loss_mtp = target_losses(model, mtp, ids, weights)
         _step(opt, loss + cfg.mtp_weight * loss_mtp, target_params, cfg)
         with torch.autocast(device.type, dtype=torch.bfloat16):
-            loss_draft = draft_loss(draft, ids)
+            loss_draft = draft_loss(draft, ids, weights)
         _step(draft_opt, loss_draft, draft_params, cfg)
         sums += torch.stack([loss.detach(), loss_mtp.detach(), loss_draft.detach()])
         step += 1
