@@ -23,6 +23,24 @@ from truespec.layers.gdn import GatedDeltaNet
 from truespec.layers.rotary import RotaryEmbedding
 
 
+class DecoderModel(nn.Module):
+    """The decoder stack: embeddings -> layers (each given the step's RoPE cos/sin) -> final norm.
+    Subclasses build ``embed_tokens``, ``layers``, ``norm`` and ``rotary_emb``."""
+
+    embed_tokens: nn.Embedding
+    layers: nn.ModuleList
+    norm: nn.Module
+    rotary_emb: RotaryEmbedding
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        # input_ids, positions: [T] -> hidden [T, hidden_size] after the final norm
+        h = self.embed_tokens(input_ids)
+        cos, sin = self.rotary_emb(positions, h.dtype)
+        for layer in self.layers:
+            h = layer(h, cos, sin)
+        return self.norm(h)
+
+
 class CausalLM(nn.Module):
     """Base: subclasses set ``self.model`` (with ``embed_tokens``) and ``self.lm_head`` (None when tied)."""
 

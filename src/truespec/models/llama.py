@@ -9,7 +9,7 @@ from truespec.layers.attention import PagedAttention
 from truespec.layers.mlp import GatedMLP
 from truespec.layers.norm import RMSNorm
 from truespec.layers.rotary import apply_rotary, rope_from_config
-from truespec.models.base import CausalLM
+from truespec.models.base import CausalLM, DecoderModel
 
 
 def head_dim_of(config: Any) -> int:
@@ -59,7 +59,7 @@ class LlamaDecoderLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
-class LlamaModel(nn.Module):
+class LlamaModel(DecoderModel):
     def __init__(self, config: Any, qk_norm: bool) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
@@ -67,12 +67,6 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = rope_from_config(config, head_dim_of(config))
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        h = self.embed_tokens(input_ids)
-        cos, sin = self.rotary_emb(positions, h.dtype)
-        for layer in self.layers:
-            h = layer(h, cos, sin)
-        return self.norm(h)
 
 
 class LlamaForCausalLM(CausalLM):

@@ -14,7 +14,7 @@ from truespec.layers.gdn import GatedDeltaNet
 from truespec.layers.mlp import GatedMLP
 from truespec.layers.norm import RMSNorm
 from truespec.layers.rotary import apply_rotary, rope_from_config
-from truespec.models.base import CausalLM
+from truespec.models.base import CausalLM, DecoderModel
 
 _LAYER_TYPES = ("linear_attention", "full_attention")
 
@@ -74,7 +74,7 @@ class Qwen3_5DecoderLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
-class Qwen3_5TextModel(nn.Module):
+class Qwen3_5TextModel(DecoderModel):
     def __init__(self, config: Any) -> None:
         super().__init__()
         unknown = sorted(set(config.layer_types) - set(_LAYER_TYPES))
@@ -86,12 +86,6 @@ class Qwen3_5TextModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, unit_offset=True)
         self.rotary_emb = rope_from_config(config, config.head_dim)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        h = self.embed_tokens(input_ids)
-        cos, sin = self.rotary_emb(positions, h.dtype)
-        for layer in self.layers:
-            h = layer(h, cos, sin)
-        return self.norm(h)
 
 
 class Qwen3_5ForCausalLM(CausalLM):
