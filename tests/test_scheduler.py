@@ -1,8 +1,10 @@
 """Scheduler, block manager and state manager: plain Python, no model (invariants 1 and 6)."""
 
 import pytest
+import torch
 
 from truespec.engine.block_manager import BlockManager
+from truespec.engine.context_builder import ContextRow, build_forward_context
 from truespec.engine.scheduler import Scheduler
 from truespec.engine.sequence import Sequence, SequenceStatus
 from truespec.engine.state_manager import StateManager
@@ -75,11 +77,13 @@ def test_accounting_returns_to_initial_counts() -> None:
 
 def test_block_manager_slots_follow_block_table() -> None:
     bm = BlockManager(8, 4)
+    bm.allocate(seq("x", 3), 3)  # so that "a" gets blocks other than 0, 1
     s = seq("a", 6)
     bm.allocate(s, 6)
     assert len(s.block_ids) == 2
-    assert [bm.slot(s, p) for p in (0, 3, 4, 5)] == [
-        s.block_ids[0] * 4, s.block_ids[0] * 4 + 3, s.block_ids[1] * 4, s.block_ids[1] * 4 + 1]
+    ctx = build_forward_context([ContextRow(s.block_ids, 0, 6, -1, 0, 5, 1)], 4, torch.device("cpu"))
+    b0, b1 = s.block_ids
+    assert ctx.slot_mapping.tolist() == [b0 * 4, b0 * 4 + 1, b0 * 4 + 2, b0 * 4 + 3, b1 * 4, b1 * 4 + 1]
     with pytest.raises(RuntimeError):
         bm.allocate(s, 100)
 

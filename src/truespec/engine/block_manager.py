@@ -32,8 +32,3 @@ class BlockManager:
     def free(self, seq: Sequence) -> None:
         self._free.extend(seq.block_ids)
         seq.block_ids = []
-
-    def slot(self, seq: Sequence, position: int) -> int:
-        """Flat KV slot of token ``position`` of ``seq``."""
-        block = seq.block_ids[position // self.block_size]
-        return block * self.block_size + position % self.block_size

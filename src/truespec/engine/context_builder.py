@@ -18,6 +18,11 @@ class ContextRow:
     num_logits: int  # logits for the last ``num_logits`` query tokens
 
 
+def int_tensor(values: list, device: torch.device) -> torch.Tensor:
+    """Host ints -> an int64 tensor on ``device`` (token ids, positions, per-step metadata)."""
+    return torch.tensor(values, dtype=torch.int64, device=device)
+
+
 def build_forward_context(rows: list[ContextRow], block_size: int, device: torch.device) -> ForwardContext:
     query_start_loc, seq_lens, slot_mapping, logits_indices = [0], [], [], []
     for row in rows:
@@ -29,7 +34,7 @@ def build_forward_context(rows: list[ContextRow], block_size: int, device: torch
     width = max(len(row.block_ids) for row in rows)
 
     def t(values: list) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int64, device=device)
+        return int_tensor(values, device)
 
     return ForwardContext(
         query_start_loc=t(query_start_loc), seq_lens=t(seq_lens), slot_mapping=t(slot_mapping),

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from truespec.engine.block_manager import BlockManager
-from truespec.engine.context_builder import ContextRow, build_forward_context
+from truespec.engine.context_builder import ContextRow, build_forward_context, int_tensor
 from truespec.engine.scheduler import ScheduledSeq
 from truespec.engine.sequence import Sequence
 from truespec.engine.state_manager import StateManager
@@ -95,10 +95,7 @@ class ModelRunner:
             rows.append(ContextRow(seq.block_ids, start, s.query_len, states.current_slot(seq), states.first_slot(seq),
                                    s.num_new_tokens - 1, 1 + len(s.draft_token_ids) if s.is_last_chunk else 0))
         ctx = build_forward_context(rows, blocks.block_size, self.device)
-        return self._tensor(input_ids), self._tensor(positions), ctx
-
-    def _tensor(self, values: list) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int64, device=self.device)
+        return int_tensor(input_ids, self.device), int_tensor(positions, self.device), ctx
 
     # ---- per-request generators ------------------------------------------------------------
     def _generator(self, seq: Sequence) -> torch.Generator | None:

@@ -18,7 +18,7 @@ from collections.abc import Callable
 import torch
 
 from truespec.engine.block_manager import BlockManager
-from truespec.engine.context_builder import ContextRow, build_forward_context
+from truespec.engine.context_builder import ContextRow, build_forward_context, int_tensor
 from truespec.engine.model_runner import StepOutput, allocate_caches
 from truespec.engine.scheduler import ScheduledSeq
 from truespec.engine.sequence import Sequence
@@ -105,7 +105,7 @@ class ModelDrafter:
             offset += n
         ctx = build_forward_context(rows, self.blocks.block_size, self.device)
         with set_forward_context(ctx):
-            hidden = self._run(_t(input_ids, self.device), _t(positions, self.device),
+            hidden = self._run(int_tensor(input_ids, self.device), int_tensor(positions, self.device),
                                torch.cat(hidden_in) if hidden_in else None)
         for job in jobs:  # only once its KV / state is written
             job.seq.num_drafter_computed_tokens = job.start + len(job.input_ids)
@@ -125,7 +125,7 @@ class ModelDrafter:
         ctx = build_forward_context(rows, self.blocks.block_size, self.device)
         hidden_in = torch.stack([h for _, h in current]) if self.uses_target_hidden else None
         with set_forward_context(ctx):
-            out = self._run(_t(input_ids, self.device), _t(positions, self.device), hidden_in)
+            out = self._run(int_tensor(input_ids, self.device), int_tensor(positions, self.device), hidden_in)
         return [(seq, out[i]) for i, (seq, _) in enumerate(current)]
 
     def _run(self, input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor | None) -> torch.Tensor:
@@ -162,7 +162,3 @@ class _Job:
     def __init__(self, seq: Sequence, start: int, input_ids: list[int], hidden: torch.Tensor | None) -> None:
         self.seq, self.start, self.input_ids, self.hidden = seq, start, input_ids, hidden
         self.last_row = -1
-
-
-def _t(values: list[int], device: torch.device) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.int64, device=device)
