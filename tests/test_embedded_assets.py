@@ -72,7 +72,7 @@ def test_special_tokens_and_eos(tokenizer, target) -> None:
     assert target.config.eos_token_id == [0, tokenizer.convert_tokens_to_ids(IM_END)]
     assert target.generation_config.eos_token_id == [0, 2]
     prompt = format_edit("x = 1\n", "change the literal 1 to 2", "x = 2\n")
-    assert tokenizer.encode(prompt, add_special_tokens=False)[0] == tokenizer.convert_tokens_to_ids("<|original|>")
+    assert tokenizer.encode(prompt, add_special_tokens=False)[0] == tokenizer.convert_tokens_to_ids("<|instruction|>")
 
 
 def test_chat_template_renders(tokenizer) -> None:

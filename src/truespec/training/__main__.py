@@ -16,18 +16,24 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--time-budget-s", type=float, default=RunConfig.time_budget_s)
     parser.add_argument("--max-steps", type=int, default=RunConfig.max_steps)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--mask-edit-prompts", action="store_true",
-                        help="experiment: no loss on the original code and instruction of edit tasks")
+    parser.add_argument("--mask-edit-prompts", action=argparse.BooleanOptionalAction,
+                        default=RunConfig.mask_edit_prompts,
+                        help="no loss on the original code and instruction of edit tasks")
+    parser.add_argument("--keep", choices=("last", "best"), default=RunConfig.keep,
+                        help="ship the final weights or those of the best validation pass")
     parser.add_argument("--edit-weight", type=float, default=dict(RunConfig.weights)["edit"],
                         help="share of edit-task rows (plain gets 0.9 minus this, chat 0.1)")
+    parser.add_argument("--num-edits", type=int, default=RunConfig.num_edits)
     parser.add_argument("--smoke", action="store_true", help="a few steps on a few files (CPU, seconds)")
     args = parser.parse_args(argv)
     weights = (("plain", round(0.9 - args.edit_weight, 6)), ("edit", args.edit_weight), ("chat", 0.10))
     if args.smoke:
-        cfg = replace(smoke_config(args.out, args.seed), mask_edit_prompts=args.mask_edit_prompts, weights=weights)
+        cfg = replace(smoke_config(args.out, args.seed), mask_edit_prompts=args.mask_edit_prompts, weights=weights,
+                      keep=args.keep)
     else:
         cfg = RunConfig(out=args.out, seed=args.seed, device=args.device, time_budget_s=args.time_budget_s,
-                        max_steps=args.max_steps, mask_edit_prompts=args.mask_edit_prompts, weights=weights)
+                        max_steps=args.max_steps, mask_edit_prompts=args.mask_edit_prompts, weights=weights,
+                        keep=args.keep, num_edits=args.num_edits)
     run(cfg)
 
 

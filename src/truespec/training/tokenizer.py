@@ -68,5 +68,6 @@ def format_chat(user: str, assistant: str | None = None) -> str:
 
 
 def format_edit(original: str, instruction: str, updated: str | None = None) -> str:
-    prompt = f"{ORIGINAL}{original}{INSTRUCTION}{instruction}{UPDATED}"
+    # the instruction first: reading the original, the model already knows which lines / names will change
+    prompt = f"{INSTRUCTION}{instruction}{ORIGINAL}{original}{UPDATED}"
     return prompt if updated is None else f"{prompt}{updated}{ENDOFTEXT}"

@@ -30,6 +30,11 @@ class TrainConfig:
     log_every: int = 10
     num_evals: int = 12  # validation passes over the run; the best one (per model) is kept
     mask_edit_prompts: bool = False  # no loss on the prompt side of edit tasks (original code + instruction)
+    keep: str = "best"  # "best": the weights of the best validation pass; "last": the final (annealed) weights
+
+    def __post_init__(self) -> None:
+        if self.keep not in ("best", "last"):
+            raise ValueError(f"keep must be 'best' or 'last', got {self.keep!r}")
 
 
 @dataclass
@@ -72,11 +77,12 @@ EDIT_MARKER_IDS = (0, 4, 5, 6)  # <|endoftext|>, <|original|>, <|instruction|>, 
 def edit_prompt_weights(ids: torch.Tensor) -> torch.Tensor:
     """[B, L] float: 0 where token j is on the prompt side of an edit task, else 1.
 
-    Token j is prompt-side iff the last marker strictly before it is <|original|> or <|instruction|>: the original
-    code, the instruction and the <|instruction|>/<|updated|> markers themselves. The updated code, its
-    <|endoftext|> and everything outside edit tasks (plain files, chat: no markers 4-6) keep weight 1. Before a
-    row's first marker (rows start at random offsets), the first marker at or after j decides: <|instruction|> or
-    <|updated|> means j is prompt-side."""
+    An edit task reads ``<|instruction|>{instruction}<|original|>{code}<|updated|>{updated}<|endoftext|>``. Token j
+    is prompt-side iff the last marker strictly before it is <|instruction|> or <|original|>: the instruction, the
+    original code and the <|original|>/<|updated|> markers themselves. The updated code, its <|endoftext|> and
+    everything outside edit tasks (plain files, chat: no markers 4-6) keep weight 1. Before a row's first marker
+    (rows start at random offsets), the first marker at or after j decides: <|original|> or <|updated|> means j
+    is prompt-side."""
     length = ids.shape[1]
     pos = torch.arange(length, device=ids.device).expand_as(ids)
     is_marker = torch.zeros_like(ids, dtype=torch.bool)
@@ -88,7 +94,7 @@ def edit_prompt_weights(ids: torch.Tensor) -> torch.Tensor:
     nxt = torch.where(is_marker, pos, length).flip(1).cummin(1).values.flip(1)
     next_tok = ids.gather(1, nxt.clamp(max=length - 1))
     in_prompt = torch.where(
-        last_before >= 0, (prev_tok == 4) | (prev_tok == 5), (nxt < length) & ((next_tok == 5) | (next_tok == 6))
+        last_before >= 0, (prev_tok == 4) | (prev_tok == 5), (nxt < length) & ((next_tok == 4) | (next_tok == 6))
     )
     return (~in_prompt).float()
 
@@ -208,12 +214,13 @@ def train(
             log(f"time budget overrun at step {step}; stopping")
             _validate(out, step, val_fn, best, best_draft, log)
             break
-    best.restore()
-    best_draft.restore()
+    if cfg.keep == "best":
+        best.restore()
+        best_draft.restore()
     out.num_steps, out.train_seconds = step, _sync_time(device) - start
-    out.best_step, out.best_draft_step = best.step, best_draft.step
-    log(f"kept target from step {best.step} (val {best.best:.4f}), draft from step {best_draft.step} "
-        f"(val {best_draft.best:.4f})")
+    out.best_step, out.best_draft_step = (best.step, best_draft.step) if cfg.keep == "best" else (step, step)
+    log(f"kept target from step {out.best_step}, draft from step {out.best_draft_step} (best val: target "
+        f"{best.best:.4f} at step {best.step}, draft {best_draft.best:.4f} at step {best_draft.step})")
     return out
 
 
