@@ -21,9 +21,13 @@ class EngineConfig:
     cpu_kv_cache_space_gib: float = 4.0  # KV pool size on CPU (vLLM's VLLM_CPU_KVCACHE_SPACE)
     seed: int = 0
     speculative_config: "SpeculativeConfig | dict | None" = None
+    enforce_eager: bool = False  # vLLM: never use CUDA graphs (same as cudagraph_mode NONE)
+    compilation_config: "CompilationConfig | dict | None" = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "speculative_config", SpeculativeConfig.from_dict(self.speculative_config))
+        object.__setattr__(self, "compilation_config", CompilationConfig.from_dict(self.compilation_config))
+        _check(isinstance(self.enforce_eager, bool), "enforce_eager", f"must be a bool, got {self.enforce_eager!r}")
         _check(isinstance(self.model, str) and self.model != "", "model", "must be a directory path")
         _check(self.dtype in DTYPES, "dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
         _check(self.device in DEVICES or str(self.device).startswith("cuda:"), "device",
@@ -43,6 +47,10 @@ class EngineConfig:
     @property
     def num_speculative_tokens(self) -> int:
         return 0 if self.speculative_config is None else self.speculative_config.num_speculative_tokens
+
+    @property
+    def cudagraph_mode(self) -> str:
+        return "NONE" if self.enforce_eager else self.compilation_config.cudagraph_mode
 
 
 def _number(x: object) -> bool:
@@ -77,6 +85,7 @@ class SpeculativeConfig:
     model: str | None = None  # draft_model / eagle: the drafter's directory
     prompt_lookup_min: int | None = None  # ngram: shortest suffix n-gram to look up
     prompt_lookup_max: int | None = None  # ngram: longest
+    enforce_eager: bool | None = None  # True: the drafter runs without CUDA graphs (None: the target's mode)
 
     def __post_init__(self) -> None:
         _check(self.method in SPEC_METHODS, "speculative_config.method",
@@ -84,6 +93,8 @@ class SpeculativeConfig:
         k = self.num_speculative_tokens
         _check(_pos_int(k) and k <= MAX_SPECULATIVE_TOKENS, "speculative_config.num_speculative_tokens",
                f"must be an int in [1, {MAX_SPECULATIVE_TOKENS}], got {k!r}")
+        _check(self.enforce_eager is None or isinstance(self.enforce_eager, bool), "speculative_config.enforce_eager",
+               f"must be a bool, got {self.enforce_eager!r}")
         needs_model = self.method in ("draft_model", "eagle")
         _check(not needs_model or isinstance(self.model, str), "speculative_config.model",
                f"is required for method {self.method!r} (the drafter's directory)")
@@ -101,9 +112,68 @@ class SpeculativeConfig:
             return d
         if not isinstance(d, dict):
             raise ValueError(f"speculative_config must be a dict, got {type(d).__name__}")
-        known = {"method", "num_speculative_tokens", "model", "prompt_lookup_min", "prompt_lookup_max"}
+        known = {"method", "num_speculative_tokens", "model", "prompt_lookup_min", "prompt_lookup_max",
+                 "enforce_eager"}
         unknown = sorted(set(d) - known)
         _check(not unknown, "speculative_config", f"has unknown keys {unknown}; known: {sorted(known)}")
         _check("method" in d and "num_speculative_tokens" in d, "speculative_config",
                "needs 'method' and 'num_speculative_tokens'")
+        return cls(**d)
+
+
+CUDAGRAPH_MODES = ("NONE", "FULL_DECODE_ONLY", "FULL")
+DEFAULT_MAX_CAPTURE_SIZE = 512
+
+
+@dataclass(frozen=True)
+class CompilationConfig:
+    """vLLM's ``compilation_config`` keys that apply here (truespec does not use torch.compile).
+
+    cudagraph_mode: NONE (eager), FULL_DECODE_ONLY (graphs for steps without prefill chunks: decodes and
+    verifies), FULL (every step up to the largest capture size, prefill chunks included). Graphs are keyed by
+    the step's token count, padded up to the next capture size with inert rows.
+    """
+
+    cudagraph_mode: str = "FULL"
+    cudagraph_capture_sizes: tuple[int, ...] | None = None  # None: 1, 2, 4, then every 8 up to the max
+    max_cudagraph_capture_size: int | None = None  # None: 512 (or the largest given capture size)
+
+    def __post_init__(self) -> None:
+        mode = self.cudagraph_mode
+        hint = " (PIECEWISE modes need torch.compile's graph splitting, which truespec does not use)" \
+            if isinstance(mode, str) and "PIECEWISE" in mode else ""
+        _check(mode in CUDAGRAPH_MODES, "compilation_config.cudagraph_mode",
+               f"must be one of {CUDAGRAPH_MODES}, got {mode!r}{hint}")
+        sizes = self.cudagraph_capture_sizes
+        if sizes is not None:
+            _check(isinstance(sizes, list | tuple) and len(sizes) > 0 and all(_pos_int(x) for x in sizes),
+                   "compilation_config.cudagraph_capture_sizes", f"must be a non-empty list of positive ints, "
+                   f"got {sizes!r}")
+            object.__setattr__(self, "cudagraph_capture_sizes", tuple(sorted(set(sizes))))
+        top = self.max_cudagraph_capture_size
+        _check(top is None or _pos_int(top), "compilation_config.max_cudagraph_capture_size",
+               f"must be a positive int, got {top!r}")
+
+    def capture_sizes(self, max_num_tokens: int) -> list[int]:
+        """The ladder of token counts to capture, none above ``max_num_tokens`` (the most a step can hold)."""
+        top = self.max_cudagraph_capture_size
+        if self.cudagraph_capture_sizes is not None:
+            sizes = list(self.cudagraph_capture_sizes)
+            top = top or sizes[-1]
+        else:
+            top = top or DEFAULT_MAX_CAPTURE_SIZE
+            sizes = [1, 2, 4] + list(range(8, top + 1, 8))
+        return [s for s in sizes if s <= min(top, max_num_tokens)]
+
+    @classmethod
+    def from_dict(cls, d: "dict | CompilationConfig | None") -> "CompilationConfig":
+        if d is None:
+            return cls()
+        if isinstance(d, CompilationConfig):
+            return d
+        if not isinstance(d, dict):
+            raise ValueError(f"compilation_config must be a dict, got {type(d).__name__}")
+        known = {"cudagraph_mode", "cudagraph_capture_sizes", "max_cudagraph_capture_size"}
+        unknown = sorted(set(d) - known)
+        _check(not unknown, "compilation_config", f"has unknown keys {unknown}; known: {sorted(known)}")
         return cls(**d)

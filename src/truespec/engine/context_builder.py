@@ -1,7 +1,14 @@
-"""Builds a step's ForwardContext from per-request rows (shared by the target runner and the drafters)."""
+"""Builds a step's inputs and ForwardContext from per-request rows (shared by the target runner and the drafters).
+
+All int64 step data (token ids, positions and every metadata tensor) is packed into one host buffer and reaches
+the device in one copy. With ``pad_to`` (a CUDA graph's capture size) the layout is fixed for that size and the
+rows past the real ones are inert: token id 0 at position 0, KV slot -1 (never written), zero-length requests
+with state slots -1 (no state read or written), block tables -1.
+"""
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from truespec.forward_context import ForwardContext
@@ -18,12 +25,35 @@ class ContextRow:
     num_logits: int  # logits for the last ``num_logits`` query tokens
 
 
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor  # [T] (T = padded size with pad_to)
+    positions: torch.Tensor  # [T]
+    ctx: ForwardContext
+
+
 def int_tensor(values: list, device: torch.device) -> torch.Tensor:
     """Host ints -> an int64 tensor on ``device`` (token ids, positions, per-step metadata)."""
     return torch.tensor(values, dtype=torch.int64, device=device)
 
 
-def build_forward_context(rows: list[ContextRow], block_size: int, device: torch.device) -> ForwardContext:
+def packed_size(num_tokens: int, num_reqs: int, width: int) -> int:
+    """int64 elements of a packed step (see ``build_step``'s layout)."""
+    return 4 * num_tokens + 5 * num_reqs + 1 + num_reqs * width
+
+
+def build_step(rows: list[ContextRow], input_ids: list[int], positions: list[int], block_size: int,
+               device: torch.device, pad_to: int | None = None, width: int | None = None,
+               out: torch.Tensor | None = None, staging: torch.Tensor | None = None) -> StepInputs:
+    """The step's device tensors. ``pad_to``: the token count (and request count) to pad to; ``width``: block
+    table columns (default: the longest row's); ``out``: a device buffer to write into (a graph's static inputs,
+    at least ``packed_size`` long); ``staging``: a pinned host buffer of the same length for the copy."""
+    num_tokens, num_reqs = len(input_ids), len(rows)
+    size_t = num_tokens if pad_to is None else pad_to
+    size_r = num_reqs if pad_to is None else pad_to
+    if num_tokens > size_t or num_reqs > size_r:
+        raise ValueError(f"a step of {num_tokens} tokens / {num_reqs} requests does not fit pad_to={pad_to}")
+    width = max((len(row.block_ids) for row in rows), default=0) if width is None else width
     query_start_loc, seq_lens, slot_mapping, logits_indices = [0], [], [], []
     for row in rows:
         end = row.start + row.query_len
@@ -31,14 +61,39 @@ def build_forward_context(rows: list[ContextRow], block_size: int, device: torch
         query_start_loc.append(query_start_loc[-1] + row.query_len)
         seq_lens.append(end)
         logits_indices += range(query_start_loc[-1] - row.num_logits, query_start_loc[-1])
-    width = max(len(row.block_ids) for row in rows)
-
-    def t(values: list) -> torch.Tensor:
-        return int_tensor(values, device)
-
-    return ForwardContext(
-        query_start_loc=t(query_start_loc), seq_lens=t(seq_lens), slot_mapping=t(slot_mapping),
-        block_tables=t([row.block_ids + [-1] * (width - len(row.block_ids)) for row in rows]),
-        state_src=t([row.state_src for row in rows]), state_dst=t([row.state_dst for row in rows]),
-        state_write_start=t([row.write_start for row in rows]), logits_indices=t(logits_indices),
+    t, r = size_t, size_r
+    cuts = [t, t, t, t, r + 1, r, r, r, r, r * width]  # the layout, in this order
+    offsets = np.cumsum([0] + cuts)
+    values = np.empty(int(offsets[-1]), dtype=np.int64)
+    segments = (input_ids, positions, slot_mapping, logits_indices, query_start_loc, seq_lens,
+                [row.state_src for row in rows], [row.state_dst for row in rows], [row.write_start for row in rows])
+    pads = (0, 0, -1, 0, num_tokens, 0, -1, -1, 0)  # inert padding, see the module docstring
+    for i, (seg, pad) in enumerate(zip(segments, pads, strict=True)):
+        values[offsets[i]:offsets[i] + len(seg)] = seg
+        values[offsets[i] + len(seg):offsets[i + 1]] = pad
+    tables = values[offsets[9]:].reshape(r, width)
+    tables.fill(-1)
+    for i, row in enumerate(rows):
+        if len(row.block_ids) > width:
+            raise ValueError(f"a request holds {len(row.block_ids)} KV blocks, more than the {width} a step allows")
+        tables[i, :len(row.block_ids)] = row.block_ids
+    if out is None:
+        buf = torch.from_numpy(values).to(device)
+    else:
+        host = torch.from_numpy(values)
+        if staging is not None:
+            host = staging[:len(values)].copy_(host)
+        buf = out[:len(values)]
+        buf.copy_(host, non_blocking=staging is not None)
+    (ids, pos, slots, logits_idx, qsl, lens, src, dst, wstart, bt) = torch.split(buf, cuts)
+    ctx = ForwardContext(
+        query_start_loc=qsl, seq_lens=lens, slot_mapping=slots, block_tables=bt.view(r, width),
+        state_src=src, state_dst=dst, state_write_start=wstart, logits_indices=logits_idx[:len(logits_indices)],
         query_start_loc_cpu=query_start_loc, seq_lens_cpu=seq_lens)
+    return StepInputs(ids, pos, ctx)
+
+
+def build_forward_context(rows: list[ContextRow], block_size: int, device: torch.device) -> ForwardContext:
+    """Only the metadata of an unpadded step (token ids and positions left at 0)."""
+    num_tokens = sum(row.query_len for row in rows)
+    return build_step(rows, [0] * num_tokens, [0] * num_tokens, block_size, device).ctx

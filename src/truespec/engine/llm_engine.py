@@ -7,6 +7,7 @@ import torch
 from truespec.config import EngineConfig
 from truespec.engine.block_manager import BlockManager
 from truespec.engine.cache_sizing import resolve_max_model_len, size_kv_pool
+from truespec.engine.graph_runner import GraphSettings
 from truespec.engine.model_runner import ModelRunner
 from truespec.engine.scheduler import ScheduledSeq, Scheduler
 from truespec.engine.sequence import Sequence
@@ -36,11 +37,17 @@ class LLMEngine:
         self.state_manager = StateManager(num_groups=config.max_num_seqs, slots_per_group=1 + k)
         self.block_manager = BlockManager(num_blocks, config.block_size)
         self.runner.allocate_caches(num_blocks, config.block_size, self.state_manager.num_slots)
+        self.graph_settings = GraphSettings(
+            mode=config.cudagraph_mode, block_size=config.block_size,
+            capture_sizes=config.compilation_config.capture_sizes(config.max_num_batched_tokens
+                                                                  + config.max_num_seqs * k),
+            max_blocks_per_req=-(-(self.max_model_len + k + 1) // config.block_size))
+        self.runner.init_graphs(self.graph_settings)
         self.scheduler = Scheduler(self.block_manager, self.state_manager, config.max_num_seqs,
                                    config.max_num_batched_tokens)
         self.stop_checker = StopChecker(self.tokenizer, self.hf_config, config.model)
         self.proposer = make_proposer(config.speculative_config, loaded, self.block_manager, self.state_manager,
-                                      self.scheduler.max_drafts, self.device, config.seed)
+                                      self.scheduler.max_drafts, self.device, config.seed, self.graph_settings)
         self.spec_metrics = SpecDecodeMetrics(k)
         self.seqs: dict[str, Sequence] = {}
         self._ids = itertools.count()

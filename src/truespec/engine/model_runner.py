@@ -9,13 +9,13 @@ from dataclasses import dataclass, field
 import torch
 
 from truespec.engine.block_manager import BlockManager
-from truespec.engine.context_builder import ContextRow, build_forward_context, int_tensor
+from truespec.engine.context_builder import ContextRow
+from truespec.engine.graph_runner import GraphRunner, GraphSettings
 from truespec.engine.scheduler import ScheduledSeq
 from truespec.engine.sequence import Sequence
 from truespec.engine.state_manager import StateManager
 from truespec.engine.stop_checker import StopChecker
-from truespec.forward_context import ForwardContext, set_forward_context
-from truespec.layers.rejection_sampler import rejection_sample
+from truespec.layers.rejection_sampler import greedy_verify, rejection_sample
 
 
 @dataclass
@@ -35,6 +35,7 @@ class ModelRunner:
         self.attention_layers = list(model.attention_layers())
         self.gdn_layers = list(model.gdn_layers())
         self._generators: dict[str, torch.Generator] = {}
+        self.graphs = GraphRunner(model, "target", GraphSettings(), device)  # eager until init_graphs
 
     # ---- cache sizing and allocation -------------------------------------------------------
     @property
@@ -53,37 +54,56 @@ class ModelRunner:
     def allocate_caches(self, num_blocks: int, block_size: int, num_state_slots: int) -> None:
         allocate_caches(self.model, num_blocks, block_size, num_state_slots, self.device)
 
+    def init_graphs(self, settings: GraphSettings) -> None:
+        """After ``allocate_caches``: set up the forward (eager or CUDA graphs) and capture the graphs."""
+        self.graphs = GraphRunner(self.model, "target", settings, self.device)
+        self.graphs.capture()
+
     # ---- one step --------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledSeq], blocks: BlockManager, states: StateManager,
                 stop_checker: StopChecker) -> StepOutput:
         """Run one step: the target scores every request's tokens (and drafts); sample / verify."""
-        input_ids, positions, ctx = self.prepare(scheduled, blocks, states)
-        with set_forward_context(ctx):
-            hidden = self.model(input_ids, positions)
-            logits = self.model.compute_logits(hidden[ctx.logits_indices])
+        rows, input_ids, positions = self.prepare(scheduled, states)
+        decode_only = all(s.num_new_tokens == 1 for s in scheduled)
+        hidden, ctx = self.graphs.run(rows, input_ids, positions, decode_only=decode_only)
+        logits = self.model.compute_logits(hidden[ctx.logits_indices])
         logits = logits if logits.dtype == torch.float64 else logits.float()
         out = StepOutput(hidden=hidden, query_start_loc=ctx.query_start_loc_cpu)
-        row = 0
-        for s in scheduled:
-            if not s.is_last_chunk:
+        row, spans, raw = 0, [], {}
+        for s in scheduled:  # rows [row, row + 1 + drafts) of the requests whose last chunk ran
+            n = 1 + len(s.draft_token_ids) if s.is_last_chunk else 0
+            spans.append((row, n))
+            if n and s.seq.params.logprobs is not None:  # of the raw logits (before min_tokens bans), as vLLM
+                raw[row] = torch.log_softmax(logits[row:row + n], dim=-1)
+            row += n
+            for i in range(n):  # min_tokens: position i would be output token len(output) + i
+                banned = stop_checker.banned_token_ids(s.seq, offset=i)
+                if banned:
+                    logits[spans[-1][0] + i, banned] = float("-inf")
+        # greedy requests: one argmax over the batch and one copy to the host (no per-request sync)
+        argmax = logits.argmax(dim=-1).tolist() if any(s.seq.params.is_greedy for s in scheduled) else []
+        for s, (start, n) in zip(scheduled, spans, strict=True):
+            seq = s.seq
+            if n == 0:
                 out.tokens.append([])
                 out.logprobs.append(None)
                 continue
-            drafts, seq = s.draft_token_ids, s.seq
-            rows = logits[row:row + 1 + len(drafts)]
-            row += 1 + len(drafts)
-            raw = torch.log_softmax(rows, dim=-1) if seq.params.logprobs is not None else None
-            for i in range(len(rows)):  # min_tokens: position i would be output token len(output) + i
-                rows[i, stop_checker.banned_token_ids(seq, offset=i)] = float("-inf")
-            probs = None if seq.draft_probs is None else seq.draft_probs[:len(drafts)]
-            tokens = rejection_sample(rows, drafts, probs, seq.params, self._generator(seq))
+            rows_logits = logits[start:start + n]
+            if seq.params.is_greedy:
+                tokens = greedy_verify(s.draft_token_ids, argmax[start:start + n])
+            else:
+                probs = None if seq.draft_probs is None else seq.draft_probs[:n - 1]
+                tokens = rejection_sample(rows_logits, s.draft_token_ids, probs, seq.params, self._generator(seq))
             out.tokens.append(tokens)
-            out.logprobs.append(None if raw is None else _top_logprobs(raw, tokens, seq.params.logprobs))
+            if seq.params.logprobs is None:
+                out.logprobs.append(None)
+            else:
+                out.logprobs.append(_top_logprobs(raw[start], tokens, seq.params.logprobs))
         return out
 
-    def prepare(self, scheduled: list[ScheduledSeq], blocks: BlockManager,
-                states: StateManager) -> tuple[torch.Tensor, torch.Tensor, ForwardContext]:
+    def prepare(self, scheduled: list[ScheduledSeq],
+                states: StateManager) -> tuple[list[ContextRow], list[int], list[int]]:
         input_ids: list[int] = []
         positions: list[int] = []
         rows = []
@@ -94,8 +114,7 @@ class ModelRunner:
             # keep the state after the last sequence token and after every draft (invariant 2)
             rows.append(ContextRow(seq.block_ids, start, s.query_len, states.current_slot(seq), states.first_slot(seq),
                                    s.num_new_tokens - 1, 1 + len(s.draft_token_ids) if s.is_last_chunk else 0))
-        ctx = build_forward_context(rows, blocks.block_size, self.device)
-        return int_tensor(input_ids, self.device), int_tensor(positions, self.device), ctx
+        return rows, input_ids, positions
 
     # ---- per-request generators ------------------------------------------------------------
     def _generator(self, seq: Sequence) -> torch.Generator | None:

@@ -8,7 +8,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from truespec.config import DTYPES
-from truespec.entrypoints.verify import DEBUG_FAULTS, KNOBS, format_results, verify
+from truespec.entrypoints.bench import add_parser as add_bench_parser
+from truespec.entrypoints.verify import DEBUG_FAULTS, KNOBS, format_results, json_object, verify
 from truespec.llm import LLM
 from truespec.sampling_params import SamplingParams
 
@@ -39,6 +40,7 @@ def main(argv: list[str] | None = None) -> int:
                                        "with and without speculation")
     demo.add_argument("--device", default="auto")
     demo.set_defaults(run=_demo)
+    add_bench_parser(sub)
     args = parser.parse_args(argv)
     try:
         return args.run(args)
@@ -61,6 +63,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    parser.add_argument("--compilation-config", type=json_object, default=None,
+                        help='CUDA graphs, as JSON: \'{"cudagraph_mode": "FULL_DECODE_ONLY"}\'')
     for knob in KNOBS:  # unset: the engine's default (and verify's baseline)
         parser.add_argument("--" + knob.name.replace("_", "-"), type=_arg_type(knob.parse), default=None,
                             help=knob.help)
@@ -69,7 +74,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 def engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
     kwargs = dict(model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
                   max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                  block_size=args.block_size)
+                  block_size=args.block_size, enforce_eager=args.enforce_eager,
+                  compilation_config=args.compilation_config)
     kwargs.update({k.name: getattr(args, k.name) for k in KNOBS if getattr(args, k.name) is not None})
     return kwargs
 

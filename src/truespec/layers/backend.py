@@ -20,3 +20,17 @@ def kernels() -> ModuleType:
     import truespec.kernels
 
     return truespec.kernels
+
+
+def cudagraph_unsupported_reason(device: torch.device) -> str | None:
+    """Why the layers cannot run inside a captured CUDA graph on ``device`` (None: they can, any batch mix).
+
+    The Triton kernels read every per-request value from device tensors and size their grids from tensor
+    shapes only, so a padded step replays exactly. The torch reference layers loop over requests with host
+    copies of the metadata (and read it back with ``.tolist()``): never captured.
+    """
+    if device.type != "cuda":
+        return f"device {device} has no CUDA graphs"
+    if os.environ.get("TRUESPEC_BACKEND", "triton") != "triton":
+        return "TRUESPEC_BACKEND=torch: the reference layers sync with the host on every step"
+    return None

@@ -20,9 +20,7 @@ def rejection_sample(target_logits: torch.Tensor, draft_token_ids: list[int], dr
 
     Returns the accepted drafts followed by one token from the target (correction or bonus)."""
     if params.is_greedy:
-        target = torch.argmax(target_logits, dim=-1).tolist()
-        accepted = _num_leading_equal(draft_token_ids, target)
-        return draft_token_ids[:accepted] + [target[accepted]]
+        return greedy_verify(draft_token_ids, torch.argmax(target_logits, dim=-1).tolist())
     out: list[int] = []
     for i, x in enumerate(draft_token_ids):
         p = probabilities(target_logits[i], params)
@@ -40,6 +38,13 @@ def rejection_sample(target_logits: torch.Tensor, draft_token_ids: list[int], dr
     p = probabilities(target_logits[len(draft_token_ids)], params)
     out.append(int(torch.multinomial(p, 1, generator=generator)))
     return out
+
+
+def greedy_verify(draft_token_ids: list[int], target_argmax: list[int]) -> list[int]:
+    """Greedy verification from the target's argmax at each of the 1 + d positions: the drafts up to the first
+    one that differs, then the target's token there."""
+    accepted = _num_leading_equal(draft_token_ids, target_argmax)
+    return draft_token_ids[:accepted] + [target_argmax[accepted]]
 
 
 def _num_leading_equal(a: list[int], b: list[int]) -> int:

@@ -18,23 +18,28 @@ from collections.abc import Callable
 import torch
 
 from truespec.engine.block_manager import BlockManager
-from truespec.engine.context_builder import ContextRow, build_forward_context, int_tensor
+from truespec.engine.context_builder import ContextRow
+from truespec.engine.graph_runner import GraphRunner, GraphSettings
 from truespec.engine.model_runner import StepOutput, allocate_caches
 from truespec.engine.scheduler import ScheduledSeq
 from truespec.engine.sequence import Sequence
 from truespec.engine.state_manager import StateManager
-from truespec.forward_context import set_forward_context
 from truespec.layers.sampler import probabilities
 
 
 class ModelDrafter:
     def __init__(self, head: torch.nn.Module, k: int, blocks: BlockManager, states: StateManager,
-                 max_drafts: Callable[[Sequence], int], device: torch.device, seed: int) -> None:
+                 max_drafts: Callable[[Sequence], int], device: torch.device, seed: int,
+                 graphs: GraphSettings | None = None, hidden_size: int | None = None) -> None:
         self.head, self.k, self.blocks, self.states = head, k, blocks, states
         self.max_drafts, self.device, self.seed = max_drafts, device, seed
         self.uses_target_hidden = bool(getattr(head, "uses_target_hidden", False))
         self._generators: weakref.WeakKeyDictionary[Sequence, torch.Generator] = weakref.WeakKeyDictionary()
         allocate_caches(head, blocks.num_blocks, blocks.block_size, states.num_slots, device)
+        settings = graphs or GraphSettings(block_size=blocks.block_size)
+        self.graphs = GraphRunner(head, f"drafter ({type(head).__name__})", settings, device, hidden_size,
+                                  head.dtype)
+        self.graphs.capture()  # the drafter runs in the target's mode (CONTEXT.md section 4)
 
     # ---- the proposer interface --------------------------------------------------------------------
     @torch.inference_mode()
@@ -56,8 +61,11 @@ class ModelDrafter:
             if j > 0:  # one more single-token step over the drafts so far
                 current = self._draft_step(current, drafts, j)
             logits = self.head.compute_logits(torch.stack([h for _, h in current]))
-            for (seq, _), row in zip(current, logits, strict=True):
-                token, q = self._sample(seq, row)
+            logits = logits if logits.dtype == torch.float64 else logits.float()
+            # greedy requests: one argmax over the batch, one copy to the host
+            argmax = logits.argmax(dim=-1).tolist() if any(seq.params.is_greedy for seq, _ in current) else []
+            for i, ((seq, _), row) in enumerate(zip(current, logits, strict=True)):
+                token, q = (argmax[i], None) if seq.params.is_greedy else self._sample(seq, row)
                 drafts[id(seq)].append(token)
                 probs[id(seq)].append(q)
         for s, _ in drafting:
@@ -103,10 +111,9 @@ class ModelDrafter:
                 hidden_in.append(job.hidden)
             job.last_row = offset + n - 1
             offset += n
-        ctx = build_forward_context(rows, self.blocks.block_size, self.device)
-        with set_forward_context(ctx):
-            hidden = self._run(int_tensor(input_ids, self.device), int_tensor(positions, self.device),
-                               torch.cat(hidden_in) if hidden_in else None)
+        decode_only = all(len(job.input_ids) <= 1 + self.k for job in jobs)  # no prompt prefill in it
+        hidden, _ = self.graphs.run(rows, input_ids, positions, torch.cat(hidden_in) if hidden_in else None,
+                                    decode_only)
         for job in jobs:  # only once its KV / state is written
             job.seq.num_drafter_computed_tokens = job.start + len(job.input_ids)
         return hidden
@@ -122,14 +129,9 @@ class ModelDrafter:
             rows.append(ContextRow(seq.block_ids, pos, 1, base + j - 1, base + j, 0, 0))
             input_ids.append(drafts[id(seq)][-1])
             positions.append(pos)
-        ctx = build_forward_context(rows, self.blocks.block_size, self.device)
         hidden_in = torch.stack([h for _, h in current]) if self.uses_target_hidden else None
-        with set_forward_context(ctx):
-            out = self._run(int_tensor(input_ids, self.device), int_tensor(positions, self.device), hidden_in)
+        out, _ = self.graphs.run(rows, input_ids, positions, hidden_in, decode_only=True)
         return [(seq, out[i]) for i, (seq, _) in enumerate(current)]
-
-    def _run(self, input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor | None) -> torch.Tensor:
-        return self.head(input_ids, positions, hidden) if self.uses_target_hidden else self.head(input_ids, positions)
 
     def _num_drafts(self, seq: Sequence) -> int:
         """k, within what the request may still emit and the KV blocks that can be had for the drafts."""
@@ -144,10 +146,7 @@ class ModelDrafter:
             self.blocks.allocate(seq, needed)
         return want
 
-    def _sample(self, seq: Sequence, logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:
-        logits = logits if logits.dtype == torch.float64 else logits.float()
-        if seq.params.is_greedy:
-            return int(torch.argmax(logits)), None
+    def _sample(self, seq: Sequence, logits: torch.Tensor) -> tuple[int, torch.Tensor]:
         q = probabilities(logits, seq.params)
         return int(torch.multinomial(q, 1, generator=self._generator(seq))), q
 

@@ -3,12 +3,14 @@ target's hidden states) and sets ``seq.draft_token_ids`` (and ``seq.draft_probs`
 every request that got a new token, to be verified in its next step."""
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Protocol
 
 import torch
 
 from truespec.config import SpeculativeConfig
 from truespec.engine.block_manager import BlockManager
+from truespec.engine.graph_runner import GraphSettings
 from truespec.engine.model_runner import StepOutput
 from truespec.engine.scheduler import ScheduledSeq
 from truespec.engine.sequence import Sequence
@@ -26,7 +28,7 @@ class Proposer(Protocol):
 
 def make_proposer(config: SpeculativeConfig | None, target: LoadedModel, blocks: BlockManager,
                   states: StateManager, max_drafts: Callable[[Sequence], int], device: torch.device,
-                  seed: int) -> Proposer | None:
+                  seed: int, graphs: GraphSettings | None = None) -> Proposer | None:
     if config is None:
         return None
     k = config.num_speculative_tokens
@@ -41,7 +43,9 @@ def make_proposer(config: SpeculativeConfig | None, target: LoadedModel, blocks:
             head = _load_draft_model(config.model, target, device)
     except (FileNotFoundError, ValueError) as e:  # say which part of the config it is about
         raise type(e)(f"speculative_config ({config.method}, model={config.model!r}): {e}") from e
-    return ModelDrafter(head, k, blocks, states, max_drafts, device, seed)
+    if config.enforce_eager and graphs is not None:
+        graphs = replace(graphs, mode="NONE")
+    return ModelDrafter(head, k, blocks, states, max_drafts, device, seed, graphs, target.hf_config.hidden_size)
 
 
 def _load_draft_model(model_dir: str, target: LoadedModel, device: torch.device) -> torch.nn.Module:

@@ -1,0 +1,125 @@
+"""One forward per step of a model (the target or a drafter): eager, or a replayed CUDA graph.
+
+Graphs are keyed by the step's token count, padded up to the next capture size. A step of T tokens and R <= T
+requests runs the graph of the smallest capture size S >= T with S token rows and S request rows: the rows past
+the real ones are inert (context_builder.py), so the kernels write no KV and no state for them and every real
+row computes exactly what it computes eagerly (DESIGN.md invariants 3 and 4; tests/test_graph_runner.py).
+Every per-step input lives in static buffers updated in place before the replay: one host-to-device copy
+of the packed int64 metadata, plus the hidden states a draft head reads.
+
+Which steps replay a graph (``cudagraph_mode``):
+- NONE: none.
+- FULL_DECODE_ONLY: steps without prefill chunks (decodes, verifies of 1 + k tokens, drafter steps), up to
+  the largest capture size.
+- FULL: every step up to the largest capture size, prefill chunks included.
+The layers' backend says whether it can run inside a graph at all (layers/backend.py); if not, nothing is
+captured and the log says why. Larger steps run eagerly; ``stats`` counts both kinds.
+"""
+
+import logging
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+
+from truespec.engine.context_builder import ContextRow, StepInputs, build_step, packed_size
+from truespec.forward_context import ForwardContext, set_forward_context
+from truespec.layers.backend import cudagraph_unsupported_reason
+
+logger = logging.getLogger("truespec")
+
+
+@dataclass(frozen=True)
+class GraphSettings:
+    """What the engine decides once for the target and every drafter (the same mode for all, CONTEXT.md 4)."""
+
+    mode: str = "NONE"
+    capture_sizes: list[int] = field(default_factory=list)
+    block_size: int = 16
+    max_blocks_per_req: int = 0  # block-table columns of a captured step
+
+
+class GraphRunner:
+    def __init__(self, model: torch.nn.Module, name: str, settings: GraphSettings, device: torch.device,
+                 hidden_size: int | None = None, hidden_dtype: torch.dtype | None = None) -> None:
+        self.model, self.name, self.block_size, self.device = model, name, settings.block_size, device
+        self.uses_hidden = bool(getattr(model, "uses_target_hidden", False))
+        self.width = settings.max_blocks_per_req
+        self.mode = mode = settings.mode
+        self.sizes = sorted(settings.capture_sizes) if mode != "NONE" else []
+        reason = cudagraph_unsupported_reason(device) if self.sizes else None
+        if reason is not None:
+            logger.info("%s: cudagraph_mode=%s but every step runs eagerly: %s", name, mode, reason)
+            self.sizes = []
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.stats: Counter[str] = Counter()  # "graph" / "eager" forwards
+        if not self.sizes:
+            return
+        top = self.sizes[-1]
+        length = packed_size(top, top, self.width)
+        self._meta = torch.zeros(length, dtype=torch.int64, device=device)
+        self._staging = torch.zeros(length, dtype=torch.int64, pin_memory=True)
+        self._hidden = torch.zeros(top, hidden_size, dtype=hidden_dtype, device=device) if self.uses_hidden else None
+        self._copy_done = torch.cuda.Event()
+        eager = "steps with prefill chunks, and " if mode == "FULL_DECODE_ONLY" else ""
+        logger.info("%s: cudagraph_mode=%s, capture sizes %s; %ssteps over %d tokens run eagerly",
+                    name, mode, self.sizes, eager, top)
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.sizes)
+
+    # ---- capture -------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Capture one graph per size, largest first, all in one memory pool (replays never overlap)."""
+        if not self.sizes:
+            return
+        pool = None
+        for size in reversed(self.sizes):
+            inputs = self._static_inputs([], [], [], size)
+            with set_forward_context(inputs.ctx):
+                self._call(inputs, size)  # compile / autotune the kernels outside the capture
+                torch.cuda.synchronize(self.device)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    out = self._call(inputs, size)
+            pool = graph.pool()
+            self.graphs[size] = (graph, out)
+        torch.cuda.synchronize(self.device)
+
+    # ---- one forward ---------------------------------------------------------------------------
+    def run(self, rows: list[ContextRow], input_ids: list[int], positions: list[int],
+            hidden: torch.Tensor | None = None, decode_only: bool = False) -> tuple[torch.Tensor, ForwardContext]:
+        """The model's final hidden states [T, H] for the step's T tokens (a fresh tensor), and its context."""
+        size = self._graph_size(len(input_ids), decode_only)
+        if size is None:
+            self.stats["eager"] += 1
+            inputs = build_step(rows, input_ids, positions, self.block_size, self.device)
+            with set_forward_context(inputs.ctx):
+                return self._call(inputs, None, hidden), inputs.ctx
+        self.stats["graph"] += 1
+        self._copy_done.synchronize()  # the previous step's copy has left the staging buffer
+        inputs = self._static_inputs(rows, input_ids, positions, size)
+        self._copy_done.record()
+        if hidden is not None:
+            self._hidden[:len(input_ids)].copy_(hidden)
+        graph, out = self.graphs[size]
+        graph.replay()
+        return out[:len(input_ids)].clone(), inputs.ctx
+
+    def _graph_size(self, num_tokens: int, decode_only: bool) -> int | None:
+        if not self.graphs or (self.mode == "FULL_DECODE_ONLY" and not decode_only):
+            return None
+        return next((s for s in self.sizes if s >= num_tokens), None)
+
+    def _static_inputs(self, rows: list[ContextRow], input_ids: list[int], positions: list[int],
+                       size: int) -> StepInputs:
+        return build_step(rows, input_ids, positions, self.block_size, self.device, pad_to=size, width=self.width,
+                          out=self._meta, staging=self._staging)
+
+    def _call(self, inputs: StepInputs, size: int | None, hidden: torch.Tensor | None = None) -> torch.Tensor:
+        if not self.uses_hidden:
+            return self.model(inputs.input_ids, inputs.positions)
+        return self.model(inputs.input_ids, inputs.positions, hidden if size is None else self._hidden[:size])
+

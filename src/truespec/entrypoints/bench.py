@@ -1,0 +1,181 @@
+"""``truespec bench``: offline throughput and per-step latency of one engine configuration (vLLM's
+``bench throughput`` and ``bench latency`` in one command).
+
+One ``LLM`` serves every batch size. Per batch size: the batch (random prompt token ids, or the first prompts
+of ``--prompts-file``), one warm-up ``generate``, then ``--num-iters`` timed ones, greedy with ``ignore_eos``
+so every request decodes exactly ``--output-len`` tokens. Reported: output tokens/s, time per output step
+(wall time / output length: the batch advances one step per output token without speculation) and, when
+speculating, the mean acceptance length. A markdown table comes last; ``--json`` writes every number.
+
+    truespec bench --model DIR --dtype bfloat16 --batch-sizes 1 8 64 --input-len 512 --output-len 256
+    python3 -m truespec.entrypoints.bench ...   (the same, without the CLI)
+"""
+
+import argparse
+import json
+import platform
+import sys
+import time
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+
+from truespec.config import DTYPES
+from truespec.entrypoints.verify import json_object
+from truespec.llm import LLM
+from truespec.sampling_params import SamplingParams
+
+PROMPT_KINDS = ("edit", "completion", "chat")
+CUDAGRAPH_MODES = ("NONE", "FULL_DECODE_ONLY", "FULL")
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("bench", help="output tokens/s and time per step at several batch sizes")
+    add_bench_args(parser)
+    parser.set_defaults(run=main)
+
+
+def add_bench_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, help="HF-format model directory (default: embedded model)")
+    parser.add_argument("--dtype", default="auto", choices=DTYPES)
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--input-len", type=int, default=128, help="prompt length (random prompts)")
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--prompts-file", type=Path, default=None,
+                        help='JSON Lines with a "prompt" key: real prompts instead of random token ids')
+    parser.add_argument("--kind", choices=PROMPT_KINDS, default=None, help="only --prompts-file rows of this kind")
+    parser.add_argument("--speculative-config", type=_json_arg, default=None,
+                        help='as JSON: \'{"method": "ngram", "num_speculative_tokens": 4}\'')
+    parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    parser.add_argument("--cudagraph-mode", choices=CUDAGRAPH_MODES, default=None)
+    parser.add_argument("--num-iters", type=int, default=1)
+    parser.add_argument("--warmup", type=int, default=1, help="untimed generate calls per batch size")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random prompt ids")
+    parser.add_argument("--json", type=Path, default=None, help="write the results here")
+
+
+def main(args: argparse.Namespace) -> int:
+    llm = LLM(**engine_kwargs(args))
+    rows = [bench_batch(llm, batch_prompts(llm, args, n), args) for n in args.batch_sizes]
+    if args.json is not None:
+        report = {"device": device_name(llm.llm_engine.device), "torch": torch.__version__,
+                  "args": _jsonable(vars(args)), "results": rows}
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
+    print(format_table(rows, llm.llm_engine.config.speculative_config is not None))
+    return 0
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
+    kwargs: dict[str, object] = dict(model=args.model, dtype=args.dtype, device=args.device,
+                                     max_model_len=args.max_model_len, max_num_seqs=max(args.batch_sizes),
+                                     max_num_batched_tokens=args.max_num_batched_tokens,
+                                     speculative_config=args.speculative_config)
+    if args.enforce_eager:  # only when asked, so the command runs on engines without the knob
+        kwargs["enforce_eager"] = True
+    if args.cudagraph_mode is not None:
+        kwargs["compilation_config"] = {"cudagraph_mode": args.cudagraph_mode}
+    return kwargs
+
+
+def batch_prompts(llm: LLM, args: argparse.Namespace, batch_size: int) -> list[dict]:
+    if args.prompts_file is None:
+        special = llm.get_tokenizer().all_special_ids
+        return random_prompts(llm.llm_engine.hf_config.vocab_size, special, batch_size, args.input_len, args.seed)
+    rows = [json.loads(line) for line in args.prompts_file.read_text(encoding="utf-8").splitlines() if line.strip()]
+    texts = [r["prompt"] for r in rows if args.kind is None or r.get("kind") == args.kind]
+    if not texts:
+        raise ValueError(f"no prompts of kind {args.kind!r} in {args.prompts_file}")
+    return [{"prompt": texts[i % len(texts)]} for i in range(batch_size)]  # repeats when the file is short
+
+
+def random_prompts(vocab_size: int, special_ids: Iterable[int], batch_size: int, input_len: int,
+                   seed: int) -> list[dict]:
+    """``batch_size`` prompts of ``input_len`` ids drawn uniformly from the vocabulary without special ids;
+    the same seed gives the same prompts in every engine."""
+    allowed = torch.ones(vocab_size, dtype=torch.bool)
+    allowed[[i for i in special_ids if 0 <= i < vocab_size]] = False
+    ids = allowed.nonzero().squeeze(1)
+    gen = torch.Generator().manual_seed(seed)
+    picks = ids[torch.randint(len(ids), (batch_size, input_len), generator=gen)]  # [batch_size, input_len]
+    return [{"prompt_token_ids": row.tolist()} for row in picks]
+
+
+def bench_batch(llm: LLM, prompts: list[dict], args: argparse.Namespace) -> dict[str, object]:
+    params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+    for _ in range(args.warmup):
+        llm.generate(prompts, params, use_tqdm=False)
+    before = llm.get_metrics()
+    times, num_output_tokens, num_prompt_tokens = [], 0, 0
+    for _ in range(args.num_iters):
+        outputs, elapsed = timed_generate(llm, prompts, params)
+        times.append(elapsed)
+        num_output_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+        num_prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs)
+    elapsed = sum(times) / len(times)
+    row = {"batch_size": len(prompts), "num_prompt_tokens": num_prompt_tokens,
+           "num_output_tokens": num_output_tokens, "output_len": args.output_len, "elapsed_s": elapsed,
+           "times_s": times, "output_tok_per_s": num_output_tokens / elapsed,
+           "total_tok_per_s": (num_output_tokens + num_prompt_tokens) / elapsed,
+           "step_ms": 1000 * elapsed / args.output_len}
+    row["mean_acceptance_length"] = mean_acceptance_length(before, llm.get_metrics())
+    return row
+
+
+def timed_generate(llm: LLM, prompts: list, params: SamplingParams | list[SamplingParams]) -> tuple[list, float]:
+    """``llm.generate`` and its wall time, the device synchronised on both sides."""
+    synchronize()
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    synchronize()
+    return outputs, time.perf_counter() - start
+
+
+def synchronize() -> None:
+    """Wait for the device (a no-op on CPU, and before CUDA is used)."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
+def mean_acceptance_length(before: dict[str, object], after: dict[str, object]) -> float | None:
+    """1 + accepted / drafts between two ``get_metrics()`` snapshots; None when nothing was drafted."""
+    drafts = after["num_drafts"] - before["num_drafts"]
+    return 1 + (after["num_accepted_tokens"] - before["num_accepted_tokens"]) / drafts if drafts else None
+
+
+def device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
+
+
+def format_table(rows: list[dict], is_speculative: bool) -> str:
+    head = "| batch | prompt tokens | output tokens | output tok/s | ms / output step |"
+    head += " accept len |" if is_speculative else ""
+    lines = [head, "|" + "---:|" * (head.count("|") - 1)]
+    for r in rows:
+        line = (f"| {r['batch_size']} | {r['num_prompt_tokens']} | {r['num_output_tokens']} | "
+                f"{r['output_tok_per_s']:.1f} | {r['step_ms']:.2f} |")
+        if is_speculative:
+            m = r["mean_acceptance_length"]
+            line += f" {m:.2f} |" if m is not None else " - |"
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def _json_arg(text: str) -> dict:
+    try:
+        return json_object(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from e
+
+
+def _jsonable(d: dict[str, object]) -> dict[str, object]:
+    return {k: str(v) if isinstance(v, Path) else v for k, v in d.items() if not callable(v)}
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(prog="truespec bench")
+    add_bench_args(parser)
+    sys.exit(main(parser.parse_args()))

@@ -1,0 +1,91 @@
+"""The benchmark tooling runs end to end on CPU at tiny sizes: ``truespec bench``, the Qwen3.5-0.8B-shaped
+model writer (``--tiny``), and the truespec vs transformers comparison; the GPU runs use the same code."""
+
+import argparse
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+from transformers import AutoModelForCausalLM
+
+from truespec import LLM, SamplingParams
+from truespec.entrypoints import bench
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+TINY_SIZES = ["--batch-sizes", "1", "2", "--input-len", "8", "--output-len", "4"]
+
+
+def _script(name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def tiny_shape_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("qwen35_shape") / "tiny"
+    _script("qwen35_shape").write_model(out, seed=0, tiny=True)
+    return out
+
+
+def test_bench_reports_positive_throughput_per_batch_size(tmp_path: Path) -> None:
+    parser = argparse.ArgumentParser()
+    bench.add_bench_args(parser)
+    args = parser.parse_args([*TINY_SIZES, "--device", "cpu", "--json", str(tmp_path / "bench.json")])
+    assert bench.main(args) == 0
+    rows = json.loads((tmp_path / "bench.json").read_text())["results"]
+    assert [r["batch_size"] for r in rows] == [1, 2]
+    assert [r["num_output_tokens"] for r in rows] == [4, 8]  # ignore_eos: every request decodes output_len
+    assert all(r["output_tok_per_s"] > 0 and r["step_ms"] > 0 for r in rows)
+
+
+def test_random_prompts_are_seeded_and_skip_special_ids() -> None:
+    special = list(range(0, 100))
+    a = bench.random_prompts(128, special, batch_size=3, input_len=50, seed=7)
+    assert a == bench.random_prompts(128, special, batch_size=3, input_len=50, seed=7)
+    ids = [t for p in a for t in p["prompt_token_ids"]]
+    assert len(ids) == 150 and all(100 <= t < 128 for t in ids)
+
+
+def test_tiny_qwen35_shape_loads_in_truespec_and_transformers(tiny_shape_dir: Path) -> None:
+    config = json.loads((tiny_shape_dir / "config.json").read_text())
+    assert config["model_type"] == "qwen3_5_text" and config["layer_types"] == ["linear_attention", "full_attention"]
+    llm = LLM(str(tiny_shape_dir), dtype="float32", device="cpu", max_model_len=64)
+    prompt = {"prompt_token_ids": [10, 3000, 20, 4000, 30]}  # ids beyond the tokenizer's 2048 are valid
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
+    assert AutoModelForCausalLM.from_pretrained(tiny_shape_dir).config.vocab_size == config["vocab_size"]
+
+
+def test_vs_transformers_runs_both_engines(tiny_shape_dir: Path, tmp_path: Path,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    out = tmp_path / "vs.json"
+    monkeypatch.setattr(sys, "argv", ["vs_transformers", "--model", str(tiny_shape_dir), "--device", "cpu",
+                                      "--dtype", "float32", *TINY_SIZES, "--json", str(out)])
+    _script("vs_transformers").main()
+    report = json.loads(out.read_text())
+    for name in ("truespec", "transformers"):
+        engine = report["engines"][name]
+        assert "error" not in engine and engine["bs1_step_s"] > 0
+        assert [r["batch_size"] for r in engine["throughput"]] == [1, 2]
+        assert all(r["output_tok_per_s"] > 0 for r in engine["throughput"])
+    assert report["copy_bandwidth_GBps"] > 0 and all(r["step_s"] > 0 for r in report["roofline"])
+
+
+def test_vs_transformers_mixed_workload_runs_both_engines(tiny_shape_dir: Path, tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    out, script = tmp_path / "mixed.json", _script("vs_transformers")
+    monkeypatch.setattr(script, "MIXED_NUM_REQUESTS", 5)  # nano-vllm's 256 requests of 100..1024 tokens, scaled
+    monkeypatch.setattr(script, "MIXED_MIN_LEN", 2)
+    monkeypatch.setattr(script, "MIXED_MAX_LEN", 9)
+    monkeypatch.setattr(sys, "argv", ["vs_transformers", "--model", str(tiny_shape_dir), "--device", "cpu",
+                                      "--dtype", "float32", "--mixed", "--hf-mixed", "--hf-mixed-batch-size", "2",
+                                      "--json", str(out)])
+    script.main()
+    engines = json.loads(out.read_text())["engines"]
+    assert engines["truespec"]["mixed"]["batch_size"] == 5 and engines["transformers"]["mixed"]["batch_size"] == 2
+    assert all(e["mixed"]["num_requests"] == 5 and e["mixed"]["output_tok_per_s"] > 0 for e in engines.values())

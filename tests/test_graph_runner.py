@@ -1,0 +1,166 @@
+"""CUDA-graph plumbing that needs no GPU: the padded step layout, padding inertness through the Triton kernels
+(interpreted on CPU), the runner's eager fallback, and compilation_config validation.
+
+The graph-vs-eager runs themselves are in tests/test_gpu_graphs.py (``@pytest.mark.gpu``).
+"""
+
+import logging
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():  # the kernels run in Triton's interpreter (see tests/test_kernels.py)
+    os.environ["TRITON_INTERPRET"] = "1"
+
+from truespec import LLM, SamplingParams  # noqa: E402
+from truespec.config import CompilationConfig, EngineConfig  # noqa: E402
+from truespec.engine.context_builder import ContextRow, build_step, packed_size  # noqa: E402
+from truespec.engine.graph_runner import GraphRunner, GraphSettings  # noqa: E402
+from truespec.engine.model_runner import allocate_caches  # noqa: E402
+from truespec.forward_context import set_forward_context  # noqa: E402
+from truespec.models.loader import load_model  # noqa: E402
+
+CPU = torch.device("cpu")
+
+
+def test_build_step_pads_with_inert_rows() -> None:
+    rows = [ContextRow([3, 4, 5], 14, 3, 5, 6, 0, 3), ContextRow([7], 2, 1, -1, 9, 0, 1)]
+    step = build_step(rows, [11, 12, 13, 14], [14, 15, 16, 2], 8, CPU, pad_to=6, width=3)
+    ctx = step.ctx
+    assert step.input_ids.tolist() == [11, 12, 13, 14, 0, 0]
+    assert step.positions.tolist() == [14, 15, 16, 2, 0, 0]
+    assert ctx.slot_mapping.tolist() == [4 * 8 + 6, 4 * 8 + 7, 5 * 8, 7 * 8 + 2, -1, -1]  # padding writes nothing
+    assert ctx.query_start_loc.tolist() == [0, 3, 4, 4, 4, 4, 4]  # padded requests own no tokens
+    assert ctx.seq_lens.tolist() == [17, 3, 0, 0, 0, 0]
+    assert ctx.state_src.tolist() == [5, -1, -1, -1, -1, -1]
+    assert ctx.state_dst.tolist() == [6, 9, -1, -1, -1, -1]  # and no state
+    assert ctx.block_tables.tolist() == [[3, 4, 5], [7, -1, -1]] + [[-1, -1, -1]] * 4
+    assert ctx.logits_indices.tolist() == [0, 1, 2, 3]
+    assert ctx.query_start_loc_cpu == [0, 3, 4] and ctx.seq_lens_cpu == [17, 3]
+
+
+def test_build_step_unpadded_and_errors() -> None:
+    rows = [ContextRow([3, 4, 5], 14, 3, 5, 6, 0, 1)]
+    step = build_step(rows, [1, 2, 3], [14, 15, 16], 8, CPU)
+    assert step.ctx.slot_mapping.tolist() == [38, 39, 40]
+    assert step.ctx.logits_indices.tolist() == [2]
+    assert step.ctx.block_tables.tolist() == [[3, 4, 5]]
+    assert packed_size(6, 6, 3) == 4 * 6 + 5 * 6 + 1 + 18
+    with pytest.raises(ValueError, match="does not fit pad_to"):
+        build_step(rows, [1, 2, 3], [14, 15, 16], 8, CPU, pad_to=2)
+    with pytest.raises(ValueError, match="more than the 1 a step allows"):
+        build_step(rows, [1, 2, 3], [14, 15, 16], 8, CPU, pad_to=4, width=1)
+
+
+def _run(model: torch.nn.Module, rows: list[ContextRow], ids: list[int], pos: list[int], pad_to: int | None,
+         width: int) -> torch.Tensor:
+    step = build_step(rows, ids, pos, 4, CPU, pad_to=pad_to, width=width if pad_to else None)
+    with set_forward_context(step.ctx):
+        return model(step.input_ids, step.positions)
+
+
+def _caches(model: torch.nn.Module) -> list[torch.Tensor]:
+    out = [layer.kv_cache.clone() for layer in model.attention_layers()]
+    for layer in model.gdn_layers():
+        out += [layer.conv_state.clone(), layer.ssm_state.clone()]
+    return out
+
+
+def _restore(model: torch.nn.Module, caches: list[torch.Tensor]) -> None:
+    it = iter(caches)
+    for layer in model.attention_layers():
+        layer.kv_cache.copy_(next(it))
+    for layer in model.gdn_layers():
+        layer.conv_state.copy_(next(it))
+        layer.ssm_state.copy_(next(it))
+
+
+@torch.inference_mode()
+def test_padded_step_equals_unpadded_through_the_kernels(tiny_models: dict[str, Path],
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """What a replayed graph computes: the same step padded with inert rows gives bitwise the same hidden
+    states for the real rows and bitwise the same KV cache and recurrent states (the kernels on CPU)."""
+    pytest.importorskip("triton")
+    import truespec.layers.attention as attention
+    import truespec.layers.gdn as gdn
+
+    monkeypatch.setattr(attention, "use_kernels", lambda t: True)
+    monkeypatch.setattr(gdn, "use_kernels", lambda t: True)
+    model = load_model(tiny_models["hybrid"], "float64", CPU).model
+    allocate_caches(model, num_blocks=12, block_size=4, num_state_slots=8, device=CPU)
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(5, 300, (n,), generator=gen).tolist() for n in (6, 3, 5)]
+    blocks = [[0, 1, 2], [3, 4], [5, 6, 7]]
+    # step 1: three prefills (state groups of 2 slots each start at 0, 2, 4)
+    rows = [ContextRow(b, 0, len(p), -1, 2 * i, len(p) - 1, 1)
+            for i, (b, p) in enumerate(zip(blocks, prompts, strict=True))]
+    _run(model, rows, sum(prompts, []), [q for p in prompts for q in range(len(p))], None, 3)
+    before = _caches(model)
+    # step 2, mixed: a decode, a verify of 1 + 1 drafts (states kept after each), a continued prefill chunk
+    rows = [ContextRow(blocks[0], 6, 1, 0, 0, 0, 1), ContextRow(blocks[1], 3, 2, 2, 2, 0, 2),
+            ContextRow(blocks[2], 5, 4, 4, 4, 3, 1)]
+    ids = torch.randint(5, 300, (7,), generator=gen).tolist()
+    pos = [6, 3, 4, 5, 6, 7, 8]
+    eager = _run(model, rows, ids, pos, None, 3)
+    eager_caches = _caches(model)
+    for pad_to in (7, 8, 16):
+        _restore(model, before)
+        padded = _run(model, rows, ids, pos, pad_to, 3)
+        assert padded.shape[0] == pad_to
+        padded_caches = _caches(model)
+        if pad_to == 7:  # padded requests only (the same matmul shapes): bitwise
+            assert torch.equal(padded[:7], eager)
+            assert all(torch.equal(a, b) for a, b in zip(padded_caches, eager_caches, strict=True))
+        else:  # padded tokens too: the projections' matmuls see more rows, which may round differently
+            torch.testing.assert_close(padded[:7], eager, rtol=0, atol=1e-12)
+            for a, b in zip(padded_caches, eager_caches, strict=True):
+                torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+        for a, b, old in zip(padded_caches, eager_caches, before, strict=True):  # padding wrote nothing
+            assert torch.equal(a != old, b != old)
+
+
+def test_runner_without_cuda_runs_eagerly_and_says_why(tiny_models: dict[str, Path],
+                                                       caplog: pytest.LogCaptureFixture) -> None:
+    model = load_model(tiny_models["qwen3"], "float64", CPU).model
+    settings = GraphSettings(mode="FULL", capture_sizes=[1, 2, 4], block_size=4, max_blocks_per_req=4)
+    with caplog.at_level(logging.INFO, logger="truespec"):
+        runner = GraphRunner(model, "target", settings, CPU)
+    assert not runner.enabled and "has no CUDA graphs" in caplog.text
+    runner.capture()  # nothing to capture
+    allocate_caches(model, 4, 4, 1, CPU)
+    hidden, ctx = runner.run([ContextRow([0], 0, 2, -1, -1, 1, 1)], [5, 6], [0, 1], decode_only=False)
+    assert hidden.shape[0] == 2 and ctx.logits_indices.tolist() == [1]
+    assert runner.stats == {"eager": 1}
+
+
+def test_compilation_config_validation() -> None:
+    assert EngineConfig(model="m").cudagraph_mode == "FULL"
+    assert EngineConfig(model="m", enforce_eager=True).cudagraph_mode == "NONE"
+    cfg = EngineConfig(model="m", compilation_config={"cudagraph_mode": "FULL_DECODE_ONLY",
+                                                      "cudagraph_capture_sizes": [8, 1, 2]})
+    assert cfg.cudagraph_mode == "FULL_DECODE_ONLY"
+    assert cfg.compilation_config.capture_sizes(1000) == [1, 2, 8]
+    assert cfg.compilation_config.capture_sizes(4) == [1, 2]
+    assert CompilationConfig().capture_sizes(20) == [1, 2, 4, 8, 16]
+    assert CompilationConfig(max_cudagraph_capture_size=24).capture_sizes(10_000)[-1] == 24
+    for bad, match in [({"cudagraph_mode": "PIECEWISE"}, "torch.compile"), ({"cudagraph_mode": "full"}, "one of"),
+                       ({"level": 3}, "unknown keys"), ({"cudagraph_capture_sizes": [0]}, "positive ints"),
+                       ({"cudagraph_capture_sizes": []}, "non-empty"), ({"max_cudagraph_capture_size": -1}, "positive"),
+                       ("FULL", "must be a dict")]:
+        with pytest.raises(ValueError, match=match):
+            EngineConfig(model="m", compilation_config=bad)
+    with pytest.raises(ValueError, match="enforce_eager"):
+        EngineConfig(model="m", enforce_eager="yes")
+
+
+def test_llm_accepts_vllm_graph_arguments_on_cpu(tiny_models: dict[str, Path]) -> None:
+    """On CPU the graph arguments are accepted and every step runs eagerly, with the same tokens."""
+    params = SamplingParams(temperature=0, max_tokens=8)
+    outs = []
+    for kwargs in ({"enforce_eager": True}, {"compilation_config": {"cudagraph_mode": "FULL"}}):
+        llm = LLM(str(tiny_models["hybrid"]), dtype="float64", **kwargs)
+        outs.append([o.outputs[0].token_ids for o in llm.generate(["def f(x):", "import os"], params)])
+        assert llm.llm_engine.runner.graphs.stats["graph"] == 0
+    assert outs[0] == outs[1]
