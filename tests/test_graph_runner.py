@@ -41,6 +41,23 @@ def test_build_step_pads_with_inert_rows() -> None:
     assert ctx.query_start_loc_cpu == [0, 3, 4] and ctx.seq_lens_cpu == [17, 3]
 
 
+def test_build_step_into_a_static_buffer_writes_the_used_table_cells() -> None:
+    """A graph's static buffer: metadata as for a fresh buffer; of the block table, the real rows' used columns
+    (the kernels read nothing else), whatever an earlier, wider step left in the other cells."""
+    out = torch.full((packed_size(6, 6, 5),), 77, dtype=torch.int64)
+    wide = [ContextRow([1, 2, 3, 4], 20, 2, 0, 1, 0, 1), ContextRow([5, 6, 7], 9, 1, 2, 3, 0, 1)]
+    build_step(wide, [1, 2, 3], [20, 21, 9], 8, CPU, pad_to=6, width=5, out=out)
+    rows = [ContextRow([3, 4, 5], 14, 3, 5, 6, 0, 3), ContextRow([7], 2, 1, -1, 9, 0, 1)]
+    step = build_step(rows, [11, 12, 13, 14], [14, 15, 16, 2], 8, CPU, pad_to=6, width=5, out=out)
+    fresh = build_step(rows, [11, 12, 13, 14], [14, 15, 16, 2], 8, CPU, pad_to=6, width=5)
+    for name in ("query_start_loc", "seq_lens", "slot_mapping", "state_src", "state_dst", "state_write_start",
+                 "logits_indices"):
+        assert torch.equal(getattr(step.ctx, name), getattr(fresh.ctx, name)), name
+    assert torch.equal(step.input_ids, fresh.input_ids) and torch.equal(step.positions, fresh.positions)
+    assert step.ctx.block_tables[:2, :3].tolist() == [[3, 4, 5], [7, -1, -1]]
+    assert step.ctx.block_tables[0, 3].item() == 4  # left from the wider step: beyond every real seq_len
+
+
 def test_build_step_unpadded_and_errors() -> None:
     rows = [ContextRow([3, 4, 5], 14, 3, 5, 6, 0, 1)]
     step = build_step(rows, [1, 2, 3], [14, 15, 16], 8, CPU)

@@ -47,7 +47,8 @@ def build_step(rows: list[ContextRow], input_ids: list[int], positions: list[int
                out: torch.Tensor | None = None, staging: torch.Tensor | None = None) -> StepInputs:
     """The step's device tensors. ``pad_to``: the token count (and request count) to pad to; ``width``: block
     table columns (default: the longest row's); ``out``: a device buffer to write into (a graph's static inputs,
-    at least ``packed_size`` long); ``staging``: a pinned host buffer of the same length for the copy."""
+    at least ``packed_size`` long; of its block table only the real rows' used columns are written);
+    ``staging``: a pinned host buffer of the same length for the copy."""
     num_tokens, num_reqs = len(input_ids), len(rows)
     size_t = num_tokens if pad_to is None else pad_to
     size_r = num_reqs if pad_to is None else pad_to
@@ -64,27 +65,35 @@ def build_step(rows: list[ContextRow], input_ids: list[int], positions: list[int
     t, r = size_t, size_r
     cuts = [t, t, t, t, r + 1, r, r, r, r, r * width]  # the layout, in this order
     offsets = np.cumsum([0] + cuts)
-    values = np.empty(int(offsets[-1]), dtype=np.int64)
+    meta_len = int(offsets[9])
+    used = max((len(row.block_ids) for row in rows), default=0)  # block-table columns real rows use
+    if used > width:
+        raise ValueError(f"a request holds {used} KV blocks, more than the {width} a step allows")
+    full = out is None  # a fresh buffer gets the whole table; a graph's static one only the cells in use
+    values = np.empty(meta_len + (r * width if full else num_reqs * used), dtype=np.int64)
     segments = (input_ids, positions, slot_mapping, logits_indices, query_start_loc, seq_lens,
                 [row.state_src for row in rows], [row.state_dst for row in rows], [row.write_start for row in rows])
     pads = (0, 0, -1, 0, num_tokens, 0, -1, -1, 0)  # inert padding, see the module docstring
     for i, (seg, pad) in enumerate(zip(segments, pads, strict=True)):
         values[offsets[i]:offsets[i] + len(seg)] = seg
         values[offsets[i] + len(seg):offsets[i + 1]] = pad
-    tables = values[offsets[9]:].reshape(r, width)
+    tables = values[meta_len:].reshape(r if full else num_reqs, width if full else used)
     tables.fill(-1)
     for i, row in enumerate(rows):
-        if len(row.block_ids) > width:
-            raise ValueError(f"a request holds {len(row.block_ids)} KV blocks, more than the {width} a step allows")
         tables[i, :len(row.block_ids)] = row.block_ids
-    if out is None:
+    if full:
         buf = torch.from_numpy(values).to(device)
     else:
+        # Kernels read a row's table only below its seq_len (and padded rows not at all), so the cells past
+        # the real rows and past the used columns may keep whatever an earlier step left there.
         host = torch.from_numpy(values)
         if staging is not None:
             host = staging[:len(values)].copy_(host)
-        buf = out[:len(values)]
-        buf.copy_(host, non_blocking=staging is not None)
+        buf = out[:int(offsets[-1])]
+        buf[:meta_len].copy_(host[:meta_len], non_blocking=staging is not None)
+        if num_reqs and used:
+            static_tables = buf[meta_len:].view(r, width)[:num_reqs, :used]
+            static_tables.copy_(host[meta_len:].view(num_reqs, used), non_blocking=staging is not None)
     (ids, pos, slots, logits_idx, qsl, lens, src, dst, wstart, bt) = torch.split(buf, cuts)
     ctx = ForwardContext(
         query_start_loc=qsl, seq_lens=lens, slot_mapping=slots, block_tables=bt.view(r, width),

@@ -2,8 +2,10 @@
 
 Graphs are keyed by the step's token count, padded up to the next capture size. A step of T tokens and R <= T
 requests runs the graph of the smallest capture size S >= T with S token rows and S request rows: the rows past
-the real ones are inert (context_builder.py), so the kernels write no KV and no state for them and every real
-row computes exactly what it computes eagerly (DESIGN.md invariants 3 and 4; tests/test_graph_runner.py).
+the real ones are inert (context_builder.py), so the kernels write no KV and no state for them (DESIGN.md
+invariant 3). Every real row runs the same kernels as eagerly; only the projections' matmuls see S rows instead
+of T, which can round differently (as any change of batch shape can; tests/test_graph_runner.py,
+tests/test_gpu_graphs.py).
 Every per-step input lives in static buffers updated in place before the replay: one host-to-device copy
 of the packed int64 metadata, plus the hidden states a draft head reads.
 
@@ -75,6 +77,10 @@ class GraphRunner:
         """Capture one graph per size, largest first, all in one memory pool (replays never overlap)."""
         if not self.sizes:
             return
+        with torch.cuda.device(self.device):
+            self._capture()
+
+    def _capture(self) -> None:
         pool = None
         for size in reversed(self.sizes):
             inputs = self._static_inputs([], [], [], size)
@@ -99,14 +105,15 @@ class GraphRunner:
             with set_forward_context(inputs.ctx):
                 return self._call(inputs, None, hidden), inputs.ctx
         self.stats["graph"] += 1
-        self._copy_done.synchronize()  # the previous step's copy has left the staging buffer
-        inputs = self._static_inputs(rows, input_ids, positions, size)
-        self._copy_done.record()
-        if hidden is not None:
-            self._hidden[:len(input_ids)].copy_(hidden)
-        graph, out = self.graphs[size]
-        graph.replay()
-        return out[:len(input_ids)].clone(), inputs.ctx
+        with torch.cuda.device(self.device):  # the stream of this device, also for device="cuda:N"
+            self._copy_done.synchronize()  # the previous step's copy has left the staging buffer
+            inputs = self._static_inputs(rows, input_ids, positions, size)
+            self._copy_done.record()
+            if hidden is not None:
+                self._hidden[:len(input_ids)].copy_(hidden)
+            graph, out = self.graphs[size]
+            graph.replay()
+            return out[:len(input_ids)].clone(), inputs.ctx
 
     def _graph_size(self, num_tokens: int, decode_only: bool) -> int | None:
         if not self.graphs or (self.mode == "FULL_DECODE_ONLY" and not decode_only):
