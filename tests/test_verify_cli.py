@@ -116,7 +116,18 @@ def test_cli_verify_exit_codes(tiny_models: dict[str, Path], tmp_path: Path, cap
 
 def test_cli_verify_needs_a_configuration(tiny_models: dict[str, Path], capsys: pytest.CaptureFixture) -> None:
     assert cli_main(["verify", "--model", str(tiny_models["qwen3"]), *CLI_ENGINE, "x"]) == 2
-    assert "--speculative-config" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "--speculative-config" in err and "--baseline-eager" in err
+
+
+def test_cli_verify_against_an_eager_baseline(tiny_models: dict[str, Path], capsys: pytest.CaptureFixture) -> None:
+    """--baseline-eager alone puts the candidate's CUDA graphs under test (on CPU both run eagerly: identical),
+    and with a speculative config the baseline is eager and without speculation."""
+    base = ["verify", "--model", str(tiny_models["hybrid"]), *CLI_ENGINE, "--max-tokens", "6", "--baseline-eager"]
+    assert cli_main([*base, "def f(x):"]) == 0
+    assert "1 of 1 requests identical" in capsys.readouterr().out
+    assert cli_main([*base, "--speculative-config", json.dumps(NGRAM), "def f(x):"]) == 0
+    assert "1 of 1 requests identical" in capsys.readouterr().out
 
 
 def test_cli_generate_prints_spec_metrics(tiny_models: dict[str, Path], tmp_path: Path,

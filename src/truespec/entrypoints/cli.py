@@ -9,7 +9,7 @@ from pathlib import Path
 
 from truespec.config import DTYPES
 from truespec.entrypoints.bench import add_parser as add_bench_parser
-from truespec.entrypoints.verify import DEBUG_FAULTS, KNOBS, format_results, json_object, verify
+from truespec.entrypoints.verify import DEBUG_FAULTS, KNOBS, baseline_of, format_results, json_object, verify
 from truespec.llm import LLM
 from truespec.sampling_params import SamplingParams
 
@@ -34,6 +34,9 @@ def main(argv: list[str] | None = None) -> int:
     add_engine_args(ver)
     ver.add_argument("--max-tokens", type=int, default=128)
     ver.add_argument("--ignore-eos", action="store_true", help="always generate --max-tokens tokens")
+    ver.add_argument("--baseline-eager", action="store_true",
+                     help="run the baseline without CUDA graphs (enforce_eager), so the candidate's graphs are "
+                          "under test too")
     ver.add_argument("--debug-fault", choices=sorted(DEBUG_FAULTS), help=argparse.SUPPRESS)  # verify's self-test
     ver.set_defaults(run=_verify)
     demo = sub.add_parser("demo", help="the embedded model completes a function and applies an edit, "
@@ -158,9 +161,12 @@ def format_spec_metrics(m: dict[str, object]) -> str:
 def _verify(args: argparse.Namespace) -> int:
     prompts = prompts_of(args)
     candidate = engine_kwargs(args)
-    if not {k.name for k in KNOBS} & candidate.keys():
-        flags = ", ".join("--" + k.name.replace("_", "-") for k in KNOBS)
+    if not {k.name for k in KNOBS} & candidate.keys() and not args.baseline_eager:
+        flags = ", ".join(["--" + k.name.replace("_", "-") for k in KNOBS] + ["--baseline-eager"])
         raise ValueError(f"nothing to verify: give the configuration under test ({flags})")
+    baseline = None
+    if args.baseline_eager:
+        baseline = {k: v for k, v in baseline_of(candidate).items() if k != "model"} | {"enforce_eager": True}
     engines = []  # the candidate LLM, kept to read its speculative metrics
 
     def hook(llm: LLM) -> None:
@@ -168,7 +174,7 @@ def _verify(args: argparse.Namespace) -> int:
         if args.debug_fault is not None:
             DEBUG_FAULTS[args.debug_fault](llm)
 
-    results = verify(candidate.pop("model"), prompts, candidate, max_tokens=args.max_tokens,
+    results = verify(candidate.pop("model"), prompts, candidate, baseline, max_tokens=args.max_tokens,
                      ignore_eos=args.ignore_eos, candidate_hook=hook)
     print(format_results(results))
     if "speculative_config" in candidate:
