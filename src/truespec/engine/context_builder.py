@@ -32,14 +32,17 @@ class StepInputs:
     ctx: ForwardContext
 
 
-def int_tensor(values: list, device: torch.device) -> torch.Tensor:
-    """Host ints -> an int64 tensor on ``device`` (token ids, positions, per-step metadata)."""
-    return torch.tensor(values, dtype=torch.int64, device=device)
+def _layout(num_tokens: int, num_reqs: int, width: int) -> list[int]:
+    """Lengths of a packed step's segments, in order: input ids, positions, slot mapping, logits indices
+    (num_tokens each), query_start_loc (num_reqs + 1), seq_lens, state_src, state_dst, state_write_start
+    (num_reqs each), block tables (num_reqs x width)."""
+    t, r = num_tokens, num_reqs
+    return [t, t, t, t, r + 1, r, r, r, r, r * width]
 
 
 def packed_size(num_tokens: int, num_reqs: int, width: int) -> int:
-    """int64 elements of a packed step (see ``build_step``'s layout)."""
-    return 4 * num_tokens + 5 * num_reqs + 1 + num_reqs * width
+    """int64 elements of a packed step."""
+    return sum(_layout(num_tokens, num_reqs, width))
 
 
 def build_step(rows: list[ContextRow], input_ids: list[int], positions: list[int], block_size: int,
@@ -63,7 +66,7 @@ def build_step(rows: list[ContextRow], input_ids: list[int], positions: list[int
         seq_lens.append(end)
         logits_indices += range(query_start_loc[-1] - row.num_logits, query_start_loc[-1])
     t, r = size_t, size_r
-    cuts = [t, t, t, t, r + 1, r, r, r, r, r * width]  # the layout, in this order
+    cuts = _layout(t, r, width)
     offsets = np.cumsum([0] + cuts)
     meta_len = int(offsets[9])
     used = max((len(row.block_ids) for row in rows), default=0)  # block-table columns real rows use
