@@ -1,7 +1,11 @@
-"""The training pipeline's edit-task format and its loss mask (truespec.training)."""
+"""The training pipeline's edit-task format, its loss mask and its edit-point boosts (truespec.training)."""
 
 import torch
+from transformers import AutoTokenizer
 
+from truespec.assets import DEFAULT_MODEL_DIR
+from truespec.training.data import BatchSampler, encode_with_boosts
+from truespec.training.tasks import changed_spans
 from truespec.training.tokenizer import format_edit
 from truespec.training.train import EDIT_MARKER_IDS, edit_prompt_weights
 
@@ -24,3 +28,34 @@ def test_edit_prompt_weights_mask_instruction_original_and_markers() -> None:
     assert edit_prompt_weights(ids)[0].tolist() == [0, 0, 0, 0, 0, 1, 1, 1, 0, 0, 0, 0, 1, 1]
     # no markers at all (plain files, chat rows): every token keeps its loss
     assert edit_prompt_weights(torch.tensor([[9, 10, 11]]))[0].tolist() == [1, 1, 1]
+
+
+def test_edit_points_are_the_words_that_do_not_copy() -> None:
+    original = "def f(data):\n    return data + 1\n"
+    renamed = "def f(rows):\n    return rows + 1\n"
+    assert [renamed[a:b] for a, b in changed_spans(original, renamed)] == ["rows)", "rows "]
+    # a deletion: the word where copying resumes (the diff aligns it as deleting "\nb = 2")
+    deleted = "a = 1\nc = 3\n"
+    assert [deleted[a:b] for a, b in changed_spans("a = 1\nb = 2\nc = 3\n", deleted)] == ["\nc"]
+    inserted = "def f(data):\n    data = list(data)\n    return data + 1\n"
+    assert [inserted[a:b] for a, b in changed_spans(original, inserted)] == ["\n    data = list(data)\n    "]
+
+
+def test_edit_point_boosts_follow_the_token_offsets() -> None:
+    tokenizer = AutoTokenizer.from_pretrained(DEFAULT_MODEL_DIR)
+    text = format_edit("x = data\n", "rename data to rows", "x = rows\n")
+    start = text.index("<|updated|>") + len("<|updated|>") + len("x = ")
+    ids, boosts = encode_with_boosts(tokenizer, [text], [[(start, start + 4)]], 4.0)
+    pieces = [tokenizer.decode([i]) for i in ids[0]]
+    boosted = "".join(p for p, b in zip(pieces, boosts[0], strict=True) if b == 4.0)
+    assert boosted.strip() == "rows" and set(boosts[0]) == {1.0, 4.0}
+
+
+def test_sampler_returns_the_boosts_of_its_windows() -> None:
+    stream = torch.arange(100, dtype=torch.int32)
+    sampler = BatchSampler({"edit": stream, "plain": stream.clone()}, {"edit": 0.5, "plain": 0.5}, 8, 16, 0,
+                           {"edit": stream.to(torch.float16) * 2})
+    ids, boosts = sampler.next_with_boosts()
+    is_edit = boosts[:, 0] != 1  # window starts > 0 are never 0.5: edit rows have boost 2 * id
+    assert is_edit.any() and (~is_edit).any()
+    assert torch.equal(boosts[is_edit], 2 * ids[is_edit].float()) and (boosts[~is_edit] == 1).all()

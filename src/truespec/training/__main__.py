@@ -24,16 +24,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--edit-weight", type=float, default=dict(RunConfig.weights)["edit"],
                         help="share of edit-task rows (plain gets 0.9 minus this, chat 0.1)")
     parser.add_argument("--num-edits", type=int, default=RunConfig.num_edits)
+    parser.add_argument("--edit-point-boost", type=float, default=RunConfig.edit_point_boost,
+                        help="loss weight of the edit points of edit tasks (the words that do not copy)")
     parser.add_argument("--smoke", action="store_true", help="a few steps on a few files (CPU, seconds)")
     args = parser.parse_args(argv)
     weights = (("plain", round(0.9 - args.edit_weight, 6)), ("edit", args.edit_weight), ("chat", 0.10))
     if args.smoke:
         cfg = replace(smoke_config(args.out, args.seed), mask_edit_prompts=args.mask_edit_prompts, weights=weights,
-                      keep=args.keep)
+                      keep=args.keep, edit_point_boost=args.edit_point_boost)
     else:
         cfg = RunConfig(out=args.out, seed=args.seed, device=args.device, time_budget_s=args.time_budget_s,
                         max_steps=args.max_steps, mask_edit_prompts=args.mask_edit_prompts, weights=weights,
-                        keep=args.keep, num_edits=args.num_edits)
+                        keep=args.keep, num_edits=args.num_edits, edit_point_boost=args.edit_point_boost)
     run(cfg)
 
 

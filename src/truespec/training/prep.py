@@ -9,12 +9,13 @@ import torch
 from transformers import PreTrainedTokenizerFast
 
 from .corpus import Corpus, SourceFile
-from .data import encode_documents, join
+from .data import encode_documents, encode_with_boosts, join
 from .evaluate import Prompt, complete_function, parses
 from .tasks import (
     Completion,
     EditTask,
     Function,
+    changed_spans,
     chat_pairs,
     edit_pools,
     extract_completions,
@@ -30,6 +31,7 @@ _POOLS: tuple[list[str], list[str]] = ([], [])
 @dataclass
 class PreparedData:
     streams: dict[str, torch.Tensor]  # "plain" | "edit" | "chat" -> joined token ids
+    boosts: dict[str, torch.Tensor]  # "edit" -> per-token loss multiplier: ``edit_point_boost`` at edit points
     val_stream: torch.Tensor  # validation files (checkpoint selection)
     val_edit_stream: torch.Tensor  # edit tasks on validation files (checkpoint selection: copying)
     heldout_stream: torch.Tensor  # held-out files (final numbers only)
@@ -46,9 +48,10 @@ def _functions(args: tuple[int, bool]) -> list[Function]:
     return extract_functions(_FILES[index], documented_only)
 
 
-def _edits(args: tuple[int, int, int]) -> list[EditTask]:
+def _edits(args: tuple[int, int, int]) -> list[tuple[EditTask, list[tuple[int, int]]]]:
     chunk, num, seed = args
-    return make_edit_tasks(_FILES, num, random.Random(seed * 100_003 + chunk), *_POOLS, augment=True)
+    tasks = make_edit_tasks(_FILES, num, random.Random(seed * 100_003 + chunk), *_POOLS, augment=True)
+    return [(t, changed_spans(t.original, t.updated)) for t in tasks]
 
 
 def _pool(num_workers: int) -> ProcessPoolExecutor:
@@ -65,8 +68,11 @@ def parallel_functions(files: list[SourceFile], documented_only: bool, workers: 
         return [fn for part in parts for fn in part]
 
 
-def parallel_edits(files: list[SourceFile], num: int, seed: int, workers: int) -> list[EditTask]:
-    """Deterministic for a given seed: fixed chunks, each with its own derived RNG, gathered in order."""
+def parallel_edits(
+    files: list[SourceFile], num: int, seed: int, workers: int
+) -> list[tuple[EditTask, list[tuple[int, int]]]]:
+    """Edit tasks with their edit points (``changed_spans`` of the updated code). Deterministic for a given seed:
+    fixed chunks, each with its own derived RNG, gathered in order."""
     global _FILES, _POOLS
     _FILES, _POOLS = files, edit_pools(files, random.Random(seed))
     num_chunks = 64
@@ -98,14 +104,19 @@ def heldout_prompts(corpus: Corpus, seed: int, num_each: int, workers: int) -> l
 
 
 def prepare(
-    corpus: Corpus, tokenizer: PreTrainedTokenizerFast, seed: int, num_edits: int, num_prompts_each: int
+    corpus: Corpus, tokenizer: PreTrainedTokenizerFast, seed: int, num_edits: int, num_prompts_each: int,
+    edit_point_boost: float = 1.0,
 ) -> PreparedData:
     workers = min(16, os.cpu_count() or 1)
     eos = tokenizer.convert_tokens_to_ids(ENDOFTEXT)
     documented = parallel_functions(corpus.train, True, workers)
     chats = [format_chat(u, a) for u, a in chat_pairs(documented)]
-    edits = [format_edit(t.original, t.instruction, t.updated) for t in parallel_edits(corpus.train, num_edits,
-                                                                                    seed, workers)]
+    edits, edit_spans = [], []
+    for t, spans in parallel_edits(corpus.train, num_edits, seed, workers):
+        edits.append(format_edit(t.original, t.instruction, t.updated))
+        offset = len(edits[-1]) - len(t.updated) - len(ENDOFTEXT)  # where the updated code starts
+        edit_spans.append([(a + offset, b + offset) for a, b in spans])
+    edit_ids, edit_boosts = encode_with_boosts(tokenizer, edits, edit_spans, edit_point_boost)
     rng = random.Random(seed + 2)
     rng.shuffle(chats)
     plain_files = list(corpus.train)
@@ -113,7 +124,7 @@ def prepare(
     prompts = heldout_prompts(corpus, seed, num_prompts_each, workers)
     streams = {
         "plain": join(encode_documents(tokenizer, [f.text for f in plain_files], eos)),
-        "edit": join(encode_documents(tokenizer, edits, None)),  # formatted edits already end with eos
+        "edit": join(edit_ids),  # formatted edits already end with eos
         "chat": join(encode_documents(tokenizer, chats, eos)),
     }
     val = join(encode_documents(tokenizer, [f.text for f in corpus.val], eos))
@@ -133,4 +144,5 @@ def prepare(
         "num_val_edit_tokens": len(val_edit),
         "num_heldout_tokens": len(heldout),
     }
-    return PreparedData(streams, val, val_edit, heldout, prompts, counts)
+    boosts = {"edit": torch.tensor([b for doc in edit_boosts for b in doc], dtype=torch.float16)}
+    return PreparedData(streams, boosts, val, val_edit, heldout, prompts, counts)

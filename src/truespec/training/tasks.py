@@ -1,6 +1,7 @@
 """Mechanically generated tasks: fast-apply edits, docstring->function chat, function-signature completion."""
 
 import ast
+import difflib
 import keyword
 import random
 import re
@@ -161,6 +162,23 @@ def _literal(lines: list[str], rng: random.Random, pool: list[str]) -> tuple[str
         return None
     updated = LITERAL.sub(lambda m: new if m.group(0) == old else m.group(0), text)
     return f"change the literal {old} to {new}", updated.splitlines(keepends=True)
+
+
+WORD = re.compile(r"\w+|\s+|[^\w\s]")
+
+
+def changed_spans(original: str, updated: str) -> list[tuple[int, int]]:
+    """The edit points of ``updated``, the few words among many copied ones that a model must decide: character
+    ranges (diffed word by word against ``original``) of each new or changed run of words plus the word after it,
+    where copying resumes (for a deletion, the two words there)."""
+    a = [m.group(0) for m in WORD.finditer(original)]
+    b_matches = list(WORD.finditer(updated))
+    b = [m.group(0) for m in b_matches]
+    spans = []
+    for op, _, _, j1, j2 in difflib.SequenceMatcher(None, a, b, autojunk=False).get_opcodes():
+        if op != "equal" and j1 < len(b):
+            spans.append((b_matches[j1].start(), b_matches[min(max(j2, j1 + 1), len(b) - 1)].end()))
+    return spans
 
 
 EDIT_OPS = {"rename": _rename, "delete": _delete, "insert": _insert, "replace": _replace, "literal": _literal}

@@ -186,8 +186,9 @@ def train(
     while step < num_steps:
         for group, base in bases:
             group["lr"] = base * lr_factor(step, num_steps, cfg)
-        ids = sampler.next().to(device, non_blocking=True)
-        weights = edit_prompt_weights(ids) if cfg.mask_edit_prompts else None
+        ids, boosts = sampler.next_with_boosts()
+        ids = ids.to(device, non_blocking=True)
+        weights = edit_prompt_weights(ids) * boosts.to(device) if cfg.mask_edit_prompts else None
         with torch.autocast(device.type, dtype=torch.bfloat16):
             loss, loss_mtp = target_losses(model, mtp, ids, weights)
         _step(opt, loss + cfg.mtp_weight * loss_mtp, target_params, cfg)
