@@ -1,10 +1,15 @@
 """The training pipeline's edit-task format, its loss mask and its edit-point boosts (truespec.training)."""
 
+from pathlib import Path
+
+import pytest
 import torch
 from transformers import AutoTokenizer
 
 from truespec.assets import DEFAULT_MODEL_DIR
+from truespec.training.__main__ import parse_config
 from truespec.training.data import BatchSampler, encode_with_boosts
+from truespec.training.models import DRAFT_SIZES, TARGET_SIZES
 from truespec.training.tasks import changed_spans
 from truespec.training.tokenizer import format_edit
 from truespec.training.train import EDIT_MARKER_IDS, edit_prompt_weights
@@ -59,3 +64,15 @@ def test_sampler_returns_the_boosts_of_its_windows() -> None:
     is_edit = boosts[:, 0] != 1  # window starts > 0 are never 0.5: edit rows have boost 2 * id
     assert is_edit.any() and (~is_edit).any()
     assert torch.equal(boosts[is_edit], 2 * ids[is_edit].float()) and (boosts[~is_edit] == 1).all()
+
+
+def test_training_command_line_sets_the_model_sizes(tmp_path: Path) -> None:
+    cfg = parse_config(["--out", str(tmp_path), "--target-layers", "12", "--target-intermediate-size", "256",
+                        "--draft-intermediate-size", "320", "--edit-point-boost", "2"])
+    assert (cfg.target_sizes.num_layers, cfg.target_sizes.intermediate_size) == (12, 256)
+    assert cfg.target_sizes.hidden_size == TARGET_SIZES.hidden_size and cfg.draft_sizes.intermediate_size == 320
+    assert cfg.edit_point_boost == 2
+    default = parse_config(["--out", str(tmp_path)])  # the shipped run
+    assert (default.target_sizes, default.draft_sizes, default.edit_point_boost) == (TARGET_SIZES, DRAFT_SIZES, 1)
+    with pytest.raises(SystemExit):
+        parse_config(["--out", str(tmp_path), "--target-layers", "2"])

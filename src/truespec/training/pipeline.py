@@ -21,6 +21,7 @@ from .models import (
     SMOKE_DRAFT_SIZES,
     SMOKE_TARGET_SIZES,
     TARGET_SIZES,
+    ModelSizes,
     add_dropout,
     build_draft,
     build_target,
@@ -58,6 +59,8 @@ class RunConfig:
     weights: tuple[tuple[str, float], ...] = (("plain", 0.15), ("edit", 0.75), ("chat", 0.10))
     mask_edit_prompts: bool = True  # no loss on the original code + instruction of edit tasks: all copying
     edit_point_boost: float = 1.0  # loss weight of the edit points of edit tasks (MODEL.md: 4.0 tried, not shipped)
+    target_sizes: ModelSizes = TARGET_SIZES
+    draft_sizes: ModelSizes = DRAFT_SIZES
     keep: str = "last"  # "last": the annealed final weights; "best": the best validation pass
 
 
@@ -87,7 +90,9 @@ def run(cfg: RunConfig) -> dict:
     log(f"data: {data.counts}")
     write_prompts(data.prompts, cfg.out / "heldout.jsonl")
 
-    target_sizes, draft_sizes = (SMOKE_TARGET_SIZES, SMOKE_DRAFT_SIZES) if cfg.smoke else (TARGET_SIZES, DRAFT_SIZES)
+    target_sizes, draft_sizes = (
+        (SMOKE_TARGET_SIZES, SMOKE_DRAFT_SIZES) if cfg.smoke else (cfg.target_sizes, cfg.draft_sizes)
+    )
     model, mtp = build_target(target_config(len(tokenizer), target_sizes))
     draft = build_draft(draft_config(len(tokenizer), draft_sizes))
     for m in (model, mtp, draft):
