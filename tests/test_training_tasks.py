@@ -64,6 +64,8 @@ def test_sampler_returns_the_boosts_of_its_windows() -> None:
     is_edit = boosts[:, 0] != 1  # window starts > 0 are never 0.5: edit rows have boost 2 * id
     assert is_edit.any() and (~is_edit).any()
     assert torch.equal(boosts[is_edit], 2 * ids[is_edit].float()) and (boosts[~is_edit] == 1).all()
+    plain = BatchSampler({"plain": stream}, {"plain": 1.0}, 8, 4, 0)  # no boosts: nothing to multiply
+    assert plain.next_with_boosts()[1] is None
 
 
 def test_training_command_line_sets_the_model_sizes(tmp_path: Path) -> None:

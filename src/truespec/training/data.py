@@ -50,8 +50,9 @@ class BatchSampler:
     def next(self) -> torch.Tensor:  # [batch_size, seq_len] int64
         return self.next_with_boosts()[0]
 
-    def next_with_boosts(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """[batch_size, seq_len] token ids (int64) and the per-token loss multipliers of the same windows."""
+    def next_with_boosts(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """[batch_size, seq_len] token ids (int64) and the per-token loss multipliers of the same windows
+        (None when no stream has boosts)."""
         which = torch.multinomial(self.probs, self.batch_size, replacement=True, generator=self.gen)
         rows, boosts = [], []
         for i, name in enumerate(self.names):
@@ -62,6 +63,7 @@ class BatchSampler:
             starts = torch.randint(0, len(stream) - self.seq_len, (n,), generator=self.gen)
             index = (starts[:, None] + self.offsets).to(stream.device)
             rows.append(stream[index])
-            boost = (self.boosts or {}).get(name)
-            boosts.append(torch.ones(index.shape, device=stream.device) if boost is None else boost[index].float())
-        return torch.cat(rows).long(), torch.cat(boosts)
+            if self.boosts:
+                boost = self.boosts.get(name)
+                boosts.append(torch.ones(index.shape, device=stream.device) if boost is None else boost[index].float())
+        return torch.cat(rows).long(), torch.cat(boosts) if self.boosts else None

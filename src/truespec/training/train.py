@@ -188,7 +188,10 @@ def train(
             group["lr"] = base * lr_factor(step, num_steps, cfg)
         ids, boosts = sampler.next_with_boosts()
         ids = ids.to(device, non_blocking=True)
-        weights = edit_prompt_weights(ids) * boosts.to(device) if cfg.mask_edit_prompts else None
+        weights = edit_prompt_weights(ids) if cfg.mask_edit_prompts else None
+        if boosts is not None:  # edit-point boosts apply with or without the prompt mask
+            boosts = boosts.to(device)
+            weights = boosts if weights is None else weights * boosts
         with torch.autocast(device.type, dtype=torch.bfloat16):
             loss, loss_mtp = target_losses(model, mtp, ids, weights)
         _step(opt, loss + cfg.mtp_weight * loss_mtp, target_params, cfg)
