@@ -39,6 +39,8 @@ def test_build_step_pads_with_inert_rows() -> None:
     assert ctx.block_tables.tolist() == [[3, 4, 5], [7, -1, -1]] + [[-1, -1, -1]] * 4
     assert ctx.logits_indices.tolist() == [0, 1, 2, 3]
     assert ctx.query_start_loc_cpu == [0, 3, 4] and ctx.seq_lens_cpu == [17, 3]
+    # host copies of the real requests' values, for eager paths that choose a kernel per request
+    assert ctx.state_cpu == ([5, -1], [6, 9], [0, 0]) and ctx.max_query_len == 3
 
 
 def test_build_step_into_a_static_buffer_writes_the_used_table_cells() -> None:

@@ -272,11 +272,13 @@ def test_causal_conv1d_keeps_window_after_each_kept_position(dtype: torch.dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("form", ["plain", "unit_offset", "gated"])
+@pytest.mark.parametrize("form", ["plain", "unit_offset", "gated", "gated_strided"])
 def test_rms_norm_matches_reference(dtype: torch.dtype, form: str) -> None:
     gen = torch.Generator().manual_seed(6)
     x = randn(5, 3, 20, dtype=dtype, gen=gen)
     gate = randn(5, 3, 20, dtype=dtype, gen=gen) if form == "gated" else None
+    if form == "gated_strided":  # heads sliced out of a wider projection output, read in place
+        gate = randn(5, 7 + 3 * 20, dtype=dtype, gen=gen)[:, 7:].unflatten(-1, (3, 20))
     weight = 1 + 0.2 * randn(20, dtype=dtype, gen=gen)
     args = (x, weight, 1e-6, form == "unit_offset", gate)
     assert_near(rms_norm(*args), rms_norm_ref(*args), dtype)

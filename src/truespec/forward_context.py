@@ -35,6 +35,9 @@ class ForwardContext:
     # Host copies for the torch reference paths (never read inside a captured CUDA graph).
     query_start_loc_cpu: list[int]
     seq_lens_cpu: list[int]
+    # (state_src, state_dst, state_write_start) of the real requests on the host, where the builder has them
+    # (eager paths that pick a kernel per request, e.g. GDN chunked prefill); None: not known on the host.
+    state_cpu: tuple[list[int], list[int], list[int]] | None = None
 
     @property
     def num_reqs(self) -> int:
@@ -43,6 +46,11 @@ class ForwardContext:
     @property
     def num_tokens(self) -> int:
         return self.query_start_loc_cpu[-1]
+
+    @property
+    def max_query_len(self) -> int:
+        qsl = self.query_start_loc_cpu
+        return max((qsl[r + 1] - qsl[r] for r in range(len(qsl) - 1)), default=0)
 
 
 _current: ForwardContext | None = None

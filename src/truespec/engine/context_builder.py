@@ -101,7 +101,7 @@ def build_step(rows: list[ContextRow], input_ids: list[int], positions: list[int
     ctx = ForwardContext(
         query_start_loc=qsl, seq_lens=lens, slot_mapping=slots, block_tables=bt.view(r, width),
         state_src=src, state_dst=dst, state_write_start=wstart, logits_indices=logits_idx[:len(logits_indices)],
-        query_start_loc_cpu=query_start_loc, seq_lens_cpu=seq_lens)
+        query_start_loc_cpu=query_start_loc, seq_lens_cpu=seq_lens, state_cpu=tuple(segments[6:9]))
     return StepInputs(ids, pos, ctx)
 
 

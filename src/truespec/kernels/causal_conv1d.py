@@ -86,7 +86,8 @@ def causal_conv1d(
     state_dst: torch.Tensor,
     state_write_start: torch.Tensor,
     activation: str | None = "silu",
-    block_c: int = 128,
+    block_c: int = 256,
+    num_warps: int = 4,
 ) -> torch.Tensor:
     """Conv + activation of x [T, C] with weight [C, K] (or nn.Conv1d's [C, 1, K]); updates ``conv_state``
     [num_slots, C, K-1] in place. Returns [T, C] in x's dtype (rows owned by no request: zeros)."""
@@ -107,7 +108,7 @@ def causal_conv1d(
         out, x, weight, init, conv_state, query_start_loc, state_src, state_dst, state_write_start, num_reqs,
         x.stride(0), out.stride(0), conv_state.stride(0), conv_state.stride(1),
         C=channels, BLOCK_C=block_c, K=kernel, APPLY_SILU=activation is not None,
-        ACC_DTYPE=tl_compute_dtype(x.dtype),
+        ACC_DTYPE=tl_compute_dtype(x.dtype), num_warps=num_warps,
     )  # fmt: skip
     return out
 

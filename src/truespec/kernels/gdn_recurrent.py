@@ -113,6 +113,8 @@ def gdn_recurrent(
     state_write_start: torch.Tensor,
     scale: float | None = None,
     use_qk_l2norm: bool = True,
+    block_v: int | None = None,
+    num_warps: int = 1,
 ) -> torch.Tensor:
     """Run the gated delta rule over each request's tokens, updating ``ssm_state`` in place.
 
@@ -120,6 +122,9 @@ def gdn_recurrent(
     k-heads are shared by HV // HK value heads, no repeat needed); g, beta [T, HV] in the compute dtype;
     ssm_state [num_slots, HV, DK, DV] in the compute dtype. q is scaled by ``scale`` (default DK^-0.5)
     after the optional L2 norm. Returns o [T, HV, DV] in v's dtype (rows owned by no request: zeros).
+    ``block_v`` / ``num_warps`` only tune speed (benchmarks/tune_decode_kernels.py: one warp per [DK, 32] state
+    tile was fastest on an H200 from BS 1 to 128); they are fixed, never chosen per batch, so a request's
+    arithmetic does not depend on the batch it is in (invariant 4).
     """
     num_tokens, num_k_heads, head_k_dim = q.shape
     _, num_v_heads, head_v_dim = v.shape
@@ -129,7 +134,7 @@ def gdn_recurrent(
         raise ValueError("q, k, v, g, beta, ssm_state need a unit last stride; k must match q")
     out = torch.zeros(num_tokens, num_v_heads, head_v_dim, dtype=v.dtype, device=v.device)
     num_reqs = state_src.shape[0]
-    block_v = min(32, triton.next_power_of_2(head_v_dim))
+    block_v = block_v or min(32, triton.next_power_of_2(head_v_dim))
     if num_reqs == 0:
         return out
     grid = (triton.cdiv(head_v_dim, block_v), num_v_heads, num_reqs)
@@ -140,6 +145,7 @@ def gdn_recurrent(
         g.stride(0), beta.stride(0), ssm_state.stride(0), ssm_state.stride(1), ssm_state.stride(2),
         HV_PER_HK=num_v_heads // num_k_heads, DK=head_k_dim, DK_PAD=triton.next_power_of_2(head_k_dim),
         DV=head_v_dim, BV=block_v, USE_QK_L2NORM=use_qk_l2norm, ACC_DTYPE=tl_compute_dtype(ssm_state.dtype),
+        num_warps=num_warps,
     )  # fmt: skip
     return out
 

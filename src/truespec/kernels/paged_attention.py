@@ -1,19 +1,44 @@
-"""Paged causal attention for every query row of a step (decode, verify and chunked prefill alike).
+"""Paged causal attention for every query row of a step (decode, verify and chunked prefill alike), split-KV.
 
-One program per (query token, kv head): it serves that kv head's GQA group of query heads (padded
-to 16 rows for ``tl.dot``) and loops over KV tiles 0, BLOCK_N, 2*BLOCK_N, ... up to the row's own
-position, with online softmax in fp32 (fp64 for fp64). Nothing in a row's computation depends on
-its request's query length or on the other rows of the batch, so a row gives bitwise the same
-output as a plain decode and as a row of a 1+k verify (DESIGN.md invariant 4), and prefill rows use
-the very same code.
+Programs are (query token, kv head, split): each serves its kv head's GQA group of query heads (padded to 16
+rows for ``tl.dot``) over one contiguous range of the row's keys, with online softmax in fp32 (fp64 for fp64),
+and emits (m, l, acc). A second kernel, one program per (row, query head), merges a row's splits:
+``m = max m_i; l = sum l_i e^(m_i - m); out = sum acc_i e^(m_i - m) / l``, the sums over the split slots
+0..SPLITS_PAD-1 in one fixed reduction tree (slots past the row's splits add exact zeros).
 
-Not done here (later, for speed only; none changes a row's math unless noted):
-- split-KV (flash-decoding) for long contexts with few requests: programs (token, kv head, split)
-  would each run this loop over a fixed range of tiles and emit (m, l, acc); a second pass combines
-  them as ``m = max m_i; l = sum l_i e^(m_i - m); out = sum acc_i e^(m_i - m) / l``. The combine
-  reorders the sums, so a split layout must be a function of the row's position only (never of the
-  batch) to keep invariant 4.
-- packing several query tokens of one request into a program's rows (K/V reuse for long prefills).
+Split layout, the rule that keeps DESIGN.md invariant 4: a row with ``num_keys`` keys (position + 1) uses
+``split_size = round_up(max(MIN_SPLIT_KEYS, cdiv(num_keys, MAX_SPLITS)), BLOCK_N)`` keys per split and
+``num_splits = cdiv(num_keys, split_size)`` (<= MAX_SPLITS) splits. That layout, the tiles each split walks
+(BLOCK_N-aligned from its start) and the merge are functions of ``num_keys`` and the compile-time constants
+only, never of the batch, T, the request's query length, the chunk or the other rows; the integers that do
+vary (num_reqs, the chunk's first row, the workspace stride) are not specialised on, so every call runs one
+binary. A row thus gives bitwise the same output as a plain decode, as a row of a 1+k verify, and inside a
+prefill chunk or a big mixed batch, as long as a model's calls keep one (block_n, max_splits, min_split_keys,
+num_warps) and dtype. A row with one split (``num_keys <= MIN_SPLIT_KEYS``; every row with ``max_splits=1``)
+runs the unsplit loop (tiles 0, BLOCK_N, ... up to its position) and writes ``acc / l`` itself; the merge
+skips it. Padding rows (token >= query_start_loc[num_reqs]) have 0 keys, one empty split, and write zeros.
+
+Graph safety and bounded workspace: grids are (rows, kv heads, grid_splits) and (rows, heads), where
+``grid_splits = min(MAX_SPLITS, cdiv(block_tables.shape[1] * block_size, round_up(MIN_SPLIT_KEYS, BLOCK_N)))``
+bounds the splits any row can have from shapes alone (a graph's table has its fixed width); programs past
+their row's ``num_splits`` exit at once. The workspace (m, l [rows, heads, grid_splits] and acc [rows, heads,
+grid_splits, head_dim] in the accumulator dtype) holds ``max_workspace_bytes // bytes_per_row`` rows: the
+wrapper runs both kernels over fixed chunks of that many tokens (chunking by the static T only), reusing one
+workspace in stream order. At T=8192, 64 heads of 128, 16 splits: 520 KiB a row, chunks of 252 rows, 128 MiB.
+
+Measured on an H200 (bf16, block size 16, CUDA graph replay, us per call; old = one program per (token, kv
+head) with 8 warps; Qwen3.5-0.8B shape: 8 q / 2 kv heads of 256): BS=1 decode at 512 keys 28 -> 7.7, at 2048
+keys 106 -> 11, at 8192 keys 421 -> 28; BS=1 1+3 verify at 512 keys 28 -> ~7.5; BS=32 decode at 512 keys
+30 -> 18; BS=32 1+3 verify at 800 keys 66 -> 70 (enough rows already: splitting only adds the merge and the
+partial writes); 64 keys (one split) 5.4 -> 5.4; a 2048-token prefill 1192 -> 1064. A one-request 8192-token
+prefill with 64 heads of 128 slows 24.2 -> 29.4 ms (its fp32 partials, 0.5 MiB a row, are written and read back).
+Defaults: BLOCK_N 32, MAX_SPLITS 16, MIN_SPLIT_KEYS 64 (splits of >= 2 tiles), 4 warps; max_splits 32 halves
+the 8192-key decode (17.5 us) for +1 us at 512 keys. At 2 kv heads BS=1 fills only 2 * num_splits SMs: the
+gain comes from the shorter chain of dependent tiles per program, which is what bounded the old kernel.
+
+Not done here (later, for speed only):
+- packing several query tokens of one request into a program's rows (K/V reuse for long prefills; it would
+  also remove the partial traffic of long prefill rows).
 - FP8 / TurboQuant caches (the dequantise step slots in where K and V tiles are loaded).
 """
 
@@ -32,16 +57,48 @@ from truespec.kernels.triton_utils import (
 )
 from truespec.layers.attention import causal_attention, gather_kv
 
+BLOCK_N, MAX_SPLITS, MIN_SPLIT_KEYS, NUM_WARPS = 32, 16, 64, 4  # defaults, tuned on an H200 (module docstring)
+MAX_WORKSPACE_BYTES = 128 << 20
 
-@triton.jit(do_not_specialize=["num_reqs"])  # one binary for every batch (no num_reqs == 1 variant)
+
+def split_layout(num_keys: int, block_n: int, max_splits: int, min_split_keys: int) -> tuple[int, int]:
+    """(split_size, num_splits) of a row with ``num_keys`` keys: the host twin of ``_row_layout``."""
+    split_size = triton.cdiv(max(min_split_keys, triton.cdiv(num_keys, max_splits)), block_n) * block_n
+    return split_size, max(triton.cdiv(num_keys, split_size), 1)
+
+
+@triton.jit
+def _row_layout(query_start_loc_ptr, seq_lens_ptr, num_reqs, token, BLOCK_N: tl.constexpr,
+                MAX_SPLITS: tl.constexpr, MIN_SPLIT_KEYS: tl.constexpr):  # fmt: skip
+    """(request, num_keys, split_size, num_splits) of packed row ``token``: 0 keys and one empty split for
+    padding rows. ``split_layout``'s rule, from ``num_keys`` and the constants only."""
+    r = find_request(query_start_loc_ptr, num_reqs, token)
+    q_start = tl.load(query_start_loc_ptr + r)
+    q_end = tl.load(query_start_loc_ptr + r + 1)
+    is_valid = token < tl.load(query_start_loc_ptr + num_reqs)  # rows past the last request are padding
+    position = tl.load(seq_lens_ptr + r) - (q_end - q_start) + (token - q_start)
+    num_keys = tl.where(is_valid, position + 1, 0)  # causal: keys 0..position
+    split_size = tl.maximum((num_keys + MAX_SPLITS - 1) // MAX_SPLITS, MIN_SPLIT_KEYS)
+    split_size = (split_size + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+    num_splits = tl.maximum((num_keys + split_size - 1) // split_size, 1)
+    return r, num_keys, split_size, num_splits
+
+
+# One binary for every batch, chunk and (eager) block-table width: integer arguments that vary are not specialised.
+@triton.jit(do_not_specialize=["num_reqs", "row_offset", "ws_splits", "stride_bt_req"])
 def _paged_attention_kernel(
     out_ptr,  # [T, num_heads, head_dim]
+    ws_m_ptr,  # [chunk, num_heads, ws_splits] running max per split
+    ws_l_ptr,  # [chunk, num_heads, ws_splits] sum of exp(score - m) per split
+    ws_acc_ptr,  # [chunk, num_heads, ws_splits, HEAD_DIM] unnormalised output per split
     q_ptr,  # [T, num_heads, head_dim]
     kv_cache_ptr,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
     query_start_loc_ptr,  # [R + 1]
     seq_lens_ptr,  # [R]
     block_tables_ptr,  # [R, max_blocks]
     num_reqs,
+    row_offset,  # first token of this chunk
+    ws_splits,  # split slots per (row, head) in the workspace (the grid's third dim)
     scale: tl.float64,
     stride_q_tok,
     stride_q_head,
@@ -58,17 +115,22 @@ def _paged_attention_kernel(
     GROUP_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,  # KV cache block size (tokens per block)
     BLOCK_N: tl.constexpr,  # keys per tile
+    MAX_SPLITS: tl.constexpr,
+    MIN_SPLIT_KEYS: tl.constexpr,
     ACC_DTYPE: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
-    token = tl.program_id(0)
+    row = tl.program_id(0)
     kv_head = tl.program_id(1)
-    r = find_request(query_start_loc_ptr, num_reqs, token)
-    q_start = tl.load(query_start_loc_ptr + r)
-    q_end = tl.load(query_start_loc_ptr + r + 1)
-    is_valid = token < tl.load(query_start_loc_ptr + num_reqs)  # rows past the last request are padding
-    position = tl.load(seq_lens_ptr + r) - (q_end - q_start) + (token - q_start)
-    num_keys = tl.where(is_valid, position + 1, 0)  # causal: keys 0..position
+    split = tl.program_id(2)
+    token = row_offset + row
+    r, num_keys, split_size, num_splits = _row_layout(
+        query_start_loc_ptr, seq_lens_ptr, num_reqs, token, BLOCK_N, MAX_SPLITS, MIN_SPLIT_KEYS
+    )
+    if split >= num_splits:  # past the row's splits: nothing to do
+        return
+    key_start = split * split_size
+    key_end = tl.minimum(key_start + split_size, num_keys)
 
     g = tl.arange(0, GROUP_PAD)
     d = tl.arange(0, HEAD_DIM_PAD)
@@ -81,9 +143,9 @@ def _paged_attention_kernel(
     l = tl.full([GROUP_PAD], 0, ACC_DTYPE)  # running sum of exp(score - m)
     acc = tl.full([GROUP_PAD, HEAD_DIM_PAD], 0, ACC_DTYPE)
     cache_head_ptr = kv_cache_ptr + kv_head * stride_cache_head
-    for tile_start in range(0, num_keys, BLOCK_N):
+    for tile_start in range(key_start, key_end, BLOCK_N):
         n = tile_start + tl.arange(0, BLOCK_N)
-        n_mask = n < num_keys
+        n_mask = n < key_end
         blocks = tl.load(block_tables_ptr + r * stride_bt_req + n // BLOCK_SIZE, mask=n_mask, other=0)
         slot_off = blocks * stride_cache_block + (n % BLOCK_SIZE) * stride_cache_slot  # [BLOCK_N] int64
         kv_off = slot_off[:, None] + d[None, :]
@@ -91,7 +153,7 @@ def _paged_attention_kernel(
         k = tl.load(cache_head_ptr + kv_off, mask=kv_mask, other=0.0)  # [BLOCK_N, HEAD_DIM_PAD]
         s = mma(q, tl.trans(k), UPCAST) * scale_acc  # [GROUP_PAD, BLOCK_N]
         s = tl.where(n_mask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, reduce_max(s, 1))  # finite: every tile holds a key <= position
+        m_new = tl.maximum(m, reduce_max(s, 1))  # finite: every tile holds a key of this split
         alpha = tl.exp(m - m_new)
         p = tl.exp(s - m_new[:, None])
         l = l * alpha + reduce_sum(p, 1)
@@ -99,9 +161,63 @@ def _paged_attention_kernel(
         acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, UPCAST)
         m = m_new
 
-    out = acc / tl.where(l > 0, l, 1.0)[:, None]  # padding rows: acc = 0, l = 0 -> 0
-    o_ptrs = out_ptr + token * stride_o_tok + heads[:, None] * stride_o_head + d[None, :]
-    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=q_mask)
+    if num_splits == 1:  # the unsplit loop: normalise and write the output here
+        out = acc / tl.where(l > 0, l, 1.0)[:, None]  # padding rows: acc = 0, l = 0 -> 0
+        o_ptrs = out_ptr + token * stride_o_tok + heads[:, None] * stride_o_head + d[None, :]
+        tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=q_mask)
+    else:
+        ws_row = (row * GROUP * tl.num_programs(1) + heads) * ws_splits + split  # [GROUP_PAD] into m / l
+        tl.store(ws_m_ptr + ws_row, m, mask=g < GROUP)
+        tl.store(ws_l_ptr + ws_row, l, mask=g < GROUP)
+        tl.store(ws_acc_ptr + ws_row[:, None] * HEAD_DIM + d[None, :], acc, mask=q_mask)
+
+
+@triton.jit(do_not_specialize=["num_reqs", "row_offset", "ws_splits"])
+def _combine_splits_kernel(
+    out_ptr,  # [T, num_heads, head_dim]
+    ws_m_ptr,  # [chunk, num_heads, ws_splits]
+    ws_l_ptr,  # [chunk, num_heads, ws_splits]
+    ws_acc_ptr,  # [chunk, num_heads, ws_splits, HEAD_DIM]
+    query_start_loc_ptr,  # [R + 1]
+    seq_lens_ptr,  # [R]
+    num_reqs,
+    row_offset,
+    ws_splits,
+    stride_o_tok,
+    stride_o_head,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MAX_SPLITS: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+    MIN_SPLIT_KEYS: tl.constexpr,
+):
+    """One program per (row, query head): merges the row's splits 0..num_splits-1; rows of one split
+    (already written by the first kernel) store nothing."""
+    row = tl.program_id(0)
+    head = tl.program_id(1)
+    token = row_offset + row
+    _, _, _, num_splits = _row_layout(
+        query_start_loc_ptr, seq_lens_ptr, num_reqs, token, BLOCK_N, MAX_SPLITS, MIN_SPLIT_KEYS
+    )
+    if num_splits == 1:  # written by the first kernel
+        return
+
+    s = tl.arange(0, SPLITS_PAD)
+    d = tl.arange(0, HEAD_DIM_PAD)
+    s_mask = s < num_splits
+    ws_row = (row * tl.num_programs(1) + head) * ws_splits + s  # [SPLITS_PAD]
+    m_i = tl.load(ws_m_ptr + ws_row, mask=s_mask, other=float("-inf"))
+    l_i = tl.load(ws_l_ptr + ws_row, mask=s_mask, other=0.0)
+    m = reduce_max(m_i, 0)  # finite: split 0 holds keys
+    w = tl.exp(m_i - m)  # [SPLITS_PAD]; 0 for splits past num_splits
+    l = reduce_sum(l_i * w, 0)
+    acc_mask = s_mask[:, None] & (d[None, :] < HEAD_DIM)
+    acc_i = tl.load(ws_acc_ptr + ws_row[:, None] * HEAD_DIM + d[None, :], mask=acc_mask, other=0.0)
+    acc = reduce_sum(acc_i * w[:, None], 0)  # [HEAD_DIM_PAD]: a fixed reduction tree over split slots
+    out = acc / tl.where(l > 0, l, 1.0)
+    o_ptrs = out_ptr + token * stride_o_tok + head * stride_o_head + d
+    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
 
 def paged_attention(
@@ -112,12 +228,19 @@ def paged_attention(
     block_tables: torch.Tensor,
     scale: float,
     out: torch.Tensor | None = None,
-    block_n: int = 32,
+    block_n: int = BLOCK_N,
+    max_splits: int = MAX_SPLITS,
+    min_split_keys: int = MIN_SPLIT_KEYS,
+    num_warps: int = NUM_WARPS,
+    max_workspace_bytes: int = MAX_WORKSPACE_BYTES,
 ) -> torch.Tensor:
     """Causal attention of q [T, num_heads, head_dim] over the paged ``kv_cache``
     [2, num_blocks, block_size, num_kv_heads, head_dim]; query token i of request r sits at position
     ``seq_lens[r] - query_len + i``. Rows past ``query_start_loc[-1]`` (padding) come back as zeros.
     No host sync and no shape derived from the batch content: safe inside a captured CUDA graph.
+    ``block_n``, ``max_splits``, ``min_split_keys`` and ``num_warps`` fix each row's arithmetic: keep them the
+    same for every call of a model (invariant 4); ``max_splits=1`` is the unsplit kernel. The workspace (and
+    so the number of row chunks) follows ``max_workspace_bytes``, which never changes a row's result.
     Returns ``out`` [T, num_heads, head_dim] (allocated if None)."""
     num_tokens, num_heads, head_dim = q.shape
     _, _, block_size, num_kv_heads, cache_head_dim = kv_cache.shape
@@ -125,20 +248,45 @@ def paged_attention(
         raise ValueError(f"q {tuple(q.shape)} (unit last stride) does not fit kv_cache {tuple(kv_cache.shape)}")
     if kv_cache.stride(-1) != 1 or q.dtype != kv_cache.dtype:
         raise ValueError("kv_cache needs a unit last stride and q's dtype")
+    if block_n < 16 or block_n & (block_n - 1) or max_splits < 1 or min_split_keys < 1:
+        raise ValueError(f"block_n {block_n} must be a power of two >= 16; max_splits, min_split_keys >= 1")
+    if not 0 < max_workspace_bytes < 2**31:
+        raise ValueError(f"max_workspace_bytes {max_workspace_bytes} must be in (0, 2**31): int32 offsets")
     out = torch.empty_like(q) if out is None else out
     if seq_lens.shape[0] == 0:
         return out.zero_()
+    if num_tokens == 0:
+        return out
     group = num_heads // num_kv_heads
-    group_pad, head_dim_pad = pad_pow2(group), pad_pow2(head_dim)
-    grid = (num_tokens, num_kv_heads)
-    _paged_attention_kernel[grid](
-        out, q, kv_cache, query_start_loc, seq_lens, block_tables, seq_lens.shape[0], scale,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), block_tables.stride(0),
-        HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, GROUP=group, GROUP_PAD=group_pad,
-        BLOCK_SIZE=block_size, BLOCK_N=block_n, ACC_DTYPE=tl_compute_dtype(q.dtype),
-        UPCAST=needs_dot_upcast(q.dtype), num_warps=8 if group_pad * head_dim_pad >= 4096 else 4,
-    )  # fmt: skip
+    constants = dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=pad_pow2(head_dim), BLOCK_N=block_n, MAX_SPLITS=max_splits,
+                     MIN_SPLIT_KEYS=min_split_keys)  # fmt: skip
+    # A row holds at most width * block_size keys (its table's cells) and a split at least
+    # round_up(min_split_keys, block_n) of them: fewer split programs when the table is narrow, from shapes only.
+    grid_splits = min(max_splits, max(1, triton.cdiv(block_tables.shape[1] * block_size,
+                                                     triton.cdiv(min_split_keys, block_n) * block_n)))  # fmt: skip
+    acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    bytes_per_row = num_heads * grid_splits * (head_dim + 2) * acc_dtype.itemsize
+    chunk = num_tokens if grid_splits == 1 else min(num_tokens, max(1, max_workspace_bytes // bytes_per_row))
+    ws_rows = 1 if grid_splits == 1 else chunk  # one split: the first kernel writes out itself
+    ws_m = torch.empty(ws_rows, num_heads, grid_splits, dtype=acc_dtype, device=q.device)
+    ws_l = torch.empty_like(ws_m)
+    ws_acc = torch.empty(ws_rows, num_heads, grid_splits, head_dim, dtype=acc_dtype, device=q.device)
+    num_reqs = seq_lens.shape[0]
+    for row_offset in range(0, num_tokens, chunk):  # by the static T only: graph-safe
+        rows = min(chunk, num_tokens - row_offset)
+        _paged_attention_kernel[(rows, num_kv_heads, grid_splits)](
+            out, ws_m, ws_l, ws_acc, q, kv_cache, query_start_loc, seq_lens, block_tables, num_reqs, row_offset,
+            grid_splits, scale, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+            kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), block_tables.stride(0),
+            GROUP=group, GROUP_PAD=pad_pow2(group), BLOCK_SIZE=block_size, ACC_DTYPE=tl_compute_dtype(q.dtype),
+            UPCAST=needs_dot_upcast(q.dtype), num_warps=num_warps, **constants,
+        )  # fmt: skip
+        if grid_splits > 1:
+            _combine_splits_kernel[(rows, num_heads)](
+                out, ws_m, ws_l, ws_acc, query_start_loc, seq_lens, num_reqs, row_offset, grid_splits,
+                out.stride(0), out.stride(1), SPLITS_PAD=triton.next_power_of_2(max_splits), num_warps=4,
+                **constants,
+            )  # fmt: skip
     return out
 
 

@@ -12,19 +12,21 @@ import triton
 import triton.language as tl
 
 from truespec.kernels.triton_utils import reduce_sum, tl_compute_dtype
-from truespec.layers.norm import GatedRMSNorm, RMSNorm
+from truespec.layers.norm import GatedRMSNorm, rms_norm_torch
 
 
 @triton.jit
 def _rms_norm_kernel(
     out_ptr,  # [N, D]
     x_ptr,  # [N, D]
-    gate_ptr,  # [N, D] (read only if HAS_GATE)
+    gate_ptr,  # [N // G, G, D] (read only if HAS_GATE): row r is gate[r // G, r % G], any outer strides
     weight_ptr,  # [D]
     eps: tl.float64,
     stride_x_row,
-    stride_g_row,
+    stride_g_outer,
+    stride_g_inner,
     stride_o_row,
+    G: tl.constexpr,
     D: tl.constexpr,
     BLOCK_D: tl.constexpr,
     UNIT_OFFSET: tl.constexpr,
@@ -44,7 +46,8 @@ def _rms_norm_kernel(
     else:
         y = (w.to(ACC_DTYPE) * h.to(dtype).to(ACC_DTYPE)).to(dtype).to(ACC_DTYPE)  # product rounds to dtype
     if HAS_GATE:
-        z = tl.load(gate_ptr + row * stride_g_row + d, mask=mask, other=0.0).to(ACC_DTYPE)
+        gate_row = gate_ptr + (row // G) * stride_g_outer + (row % G) * stride_g_inner
+        z = tl.load(gate_row + d, mask=mask, other=0.0).to(ACC_DTYPE)
         y = y * (z / (1.0 + tl.exp(-z)))
     tl.store(out_ptr + row * stride_o_row + d, y.to(dtype), mask=mask)
 
@@ -53,20 +56,23 @@ def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool = False, gate: torch.Tensor | None = None
 ) -> torch.Tensor:
     """RMSNorm of x [..., D] with weight [D]; ``gate`` [..., D] makes it the gated form (plain weight only).
-    Returns [..., D] in x's dtype."""
+    The gate may be a strided view, e.g. heads [T, H, D] sliced out of a wider projection output: it is read
+    in place as [-1, H, D] (no copy). Returns [..., D] in x's dtype."""
     if gate is not None and unit_offset:
         raise ValueError("the gated RMSNorm uses a plain weight (unit_offset=False)")
     dim = x.shape[-1]
     x2 = x.reshape(-1, dim)
-    gate2 = x2 if gate is None else gate.reshape(-1, dim)
-    if x2.stride(-1) != 1 or gate2.stride(-1) != 1 or weight.dtype != x.dtype or weight.shape != (dim,):
+    gate3 = x2[:, None] if gate is None else gate.reshape(-1, gate.shape[-2] if gate.dim() > 2 else 1, dim)
+    if gate is not None and gate3.shape[0] * gate3.shape[1] != x2.shape[0]:
+        raise ValueError(f"gate {tuple(gate.shape)} does not match x {tuple(x.shape)}")
+    if x2.stride(-1) != 1 or gate3.stride(-1) != 1 or weight.dtype != x.dtype or weight.shape != (dim,):
         raise ValueError("x and gate need a unit last stride; weight must be [D] in x's dtype")
     out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
     if x2.shape[0] > 0:
         _rms_norm_kernel[(x2.shape[0],)](
-            out, x2, gate2, weight, eps, x2.stride(0), gate2.stride(0), out.stride(0),
-            D=dim, BLOCK_D=triton.next_power_of_2(dim), UNIT_OFFSET=unit_offset, HAS_GATE=gate is not None,
-            ACC_DTYPE=tl_compute_dtype(x.dtype),
+            out, x2, gate3, weight, eps, x2.stride(0), gate3.stride(0), gate3.stride(1), out.stride(0),
+            G=gate3.shape[1], D=dim, BLOCK_D=triton.next_power_of_2(dim), UNIT_OFFSET=unit_offset,
+            HAS_GATE=gate is not None, ACC_DTYPE=tl_compute_dtype(x.dtype),
         )  # fmt: skip
     return out.view(x.shape)
 
@@ -74,9 +80,10 @@ def rms_norm(
 def rms_norm_ref(
     x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool = False, gate: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """The torch reference (``layers/norm.py``'s modules), same signature and result."""
-    norm = RMSNorm(x.shape[-1], eps, unit_offset) if gate is None else GatedRMSNorm(x.shape[-1], eps)
-    norm = norm.to(device=x.device, dtype=x.dtype)
+    """The torch reference (``layers/norm.py``'s torch math, never its kernel path), same signature and result."""
+    if gate is None:
+        return rms_norm_torch(x, weight.to(x.dtype), eps, unit_offset)
+    norm = GatedRMSNorm(x.shape[-1], eps).to(device=x.device, dtype=x.dtype)
     with torch.no_grad():
         norm.weight.copy_(weight)
-        return norm(x) if gate is None else norm(x, gate)
+        return norm(x, gate)

@@ -17,6 +17,7 @@ from torch import nn
 from truespec.forward_context import ForwardContext, get_forward_context
 from truespec.layers.activation import get_activation
 from truespec.layers.backend import kernels, use_kernels
+from truespec.layers.linear import MergedLinear, use_checkpoint_names
 from truespec.layers.norm import GatedRMSNorm
 from truespec.layers.precision import compute_dtype
 
@@ -24,6 +25,18 @@ from truespec.layers.precision import compute_dtype
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """x * rsqrt(sum(x^2) + eps) over the last dim (the FLA / transformers form)."""
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+def _use_chunked_prefill(x: torch.Tensor, ctx: ForwardContext) -> bool:
+    """Whether an eager step's long prefill chunks go through fla's chunk kernel (kernels/gdn_chunked.py): only
+    with fla installed, for bf16 / fp16 models (fla's matrix products run in TF32, so fp32 and fp64 models, the
+    ones exactness checks use, keep the token loop), never while a CUDA graph is being captured, and only when a
+    request's chunk is long enough to gain (the engine splits prompts into chunks of max_num_batched_tokens)."""
+    if x.dtype not in (torch.bfloat16, torch.float16) or ctx.state_cpu is None:
+        return False
+    from truespec.kernels.gdn_chunked import MIN_CHUNK_LEN, is_available
+
+    return ctx.max_query_len >= MIN_CHUNK_LEN and is_available() and not torch.cuda.is_current_stream_capturing()
 
 
 @dataclass
@@ -53,7 +66,8 @@ class GatedDeltaNet(nn.Module):
     """Projections, causal depthwise conv + act, gated delta rule, gated RMSNorm, out_proj.
 
     Parameter names match HF checkpoints (``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``, ``in_proj_a``,
-    ``conv1d``, ``dt_bias``, ``A_log``, ``norm``, ``out_proj``).
+    ``conv1d``, ``dt_bias``, ``A_log``, ``norm``, ``out_proj``); the four input projections run as one GEMM
+    (``in_proj``, a ``MergedLinear`` that loads and saves under those four names).
     """
 
     def __init__(
@@ -76,10 +90,8 @@ class GatedDeltaNet(nn.Module):
         self.conv_dim = 2 * self.key_dim + self.value_dim  # channels of [q | k | v]
         self.conv_kernel = conv_kernel
         self.act_fn = get_activation(hidden_act)
-        self.in_proj_qkv = nn.Linear(hidden_size, self.conv_dim, bias=False)
-        self.in_proj_z = nn.Linear(hidden_size, self.value_dim, bias=False)
-        self.in_proj_b = nn.Linear(hidden_size, num_v_heads, bias=False)
-        self.in_proj_a = nn.Linear(hidden_size, num_v_heads, bias=False)
+        self.in_proj = MergedLinear(hidden_size, {"in_proj_qkv": self.conv_dim, "in_proj_z": self.value_dim,
+                                                  "in_proj_b": num_v_heads, "in_proj_a": num_v_heads})
         self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, conv_kernel, groups=self.conv_dim, bias=False)
         self.dt_bias = nn.Parameter(torch.ones(num_v_heads))
         self.A_log = nn.Parameter(torch.zeros(num_v_heads))
@@ -87,6 +99,7 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = nn.Linear(self.value_dim, hidden_size, bias=False)
         self.conv_state: torch.Tensor | None = None
         self.ssm_state: torch.Tensor | None = None
+        use_checkpoint_names(self)
 
     def state_shapes(self) -> tuple[tuple[int, int], tuple[int, int, int]]:
         """Per-slot shapes: (conv_state [conv_dim, kernel-1], ssm_state [num_v_heads, head_k_dim, head_v_dim])."""
@@ -105,10 +118,9 @@ class GatedDeltaNet(nn.Module):
         if use_kernels(x):
             return self._forward_kernels(x, ctx)
         cdt = compute_dtype(x.dtype)
-        mixed_qkv = self.in_proj_qkv(x)  # [T, conv_dim]
-        z = self.in_proj_z(x).view(-1, self.num_v_heads, self.head_v_dim)
-        beta = self.in_proj_b(x).sigmoid().to(cdt)  # [T, HV]
-        a = self.in_proj_a(x)
+        mixed_qkv, z, b, a = self.in_proj.split(self.in_proj(x))  # [T, conv_dim], [T, value_dim], [T, HV] x 2
+        z = z.unflatten(-1, (self.num_v_heads, self.head_v_dim))
+        beta = b.sigmoid().to(cdt)  # [T, HV]
         g = -self.A_log.to(cdt).exp() * F.softplus(a.to(cdt) + self.dt_bias.to(cdt))  # [T, HV], log decay
         src, dst, write_start = torch.stack([ctx.state_src, ctx.state_dst, ctx.state_write_start]).tolist()
         qsl = ctx.query_start_loc_cpu
@@ -123,17 +135,23 @@ class GatedDeltaNet(nn.Module):
 
     def _forward_kernels(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """The same layer through the Triton kernels: no host sync, graph-safe (tests/test_kernels.py)."""
-        k_ops, cdt = kernels(), compute_dtype(x.dtype)
+        k_ops = kernels()
         meta = (ctx.query_start_loc, ctx.state_src, ctx.state_dst, ctx.state_write_start)
-        conv_out = k_ops.causal_conv1d(self.in_proj_qkv(x), self.conv1d.weight, self.conv_state, *meta)
+        mixed_qkv, z, b, a = self.in_proj.split(self.in_proj(x))
+        conv_out = k_ops.causal_conv1d(mixed_qkv, self.conv1d.weight, self.conv_state, *meta)
         q, k, v = conv_out.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         k_heads, v_heads = (self.num_k_heads, self.head_k_dim), (self.num_v_heads, self.head_v_dim)
         q, k, v = q.unflatten(-1, k_heads), k.unflatten(-1, k_heads), v.unflatten(-1, v_heads)
-        beta = self.in_proj_b(x).sigmoid().to(cdt)
-        g = -self.A_log.to(cdt).exp() * F.softplus(self.in_proj_a(x).to(cdt) + self.dt_bias.to(cdt))
-        core = k_ops.gdn_recurrent(q, k, v, g, beta, self.ssm_state, *meta)
-        z = self.in_proj_z(x).view(-1, self.num_v_heads, self.head_v_dim)
-        core = k_ops.rms_norm(core, self.norm.weight, self.norm.eps, gate=z)
+        g, beta = k_ops.gdn_gating(a, b, self.A_log, self.dt_bias)
+        if _use_chunked_prefill(x, ctx):
+            from truespec.kernels.gdn_chunked import gdn_chunked
+
+            src, dst, write_start = ctx.state_cpu
+            core = gdn_chunked(q, k, v, g, beta, self.ssm_state, *meta, query_start_loc_cpu=ctx.query_start_loc_cpu,
+                               state_src_cpu=src, state_dst_cpu=dst, state_write_start_cpu=write_start)
+        else:
+            core = k_ops.gdn_recurrent(q, k, v, g, beta, self.ssm_state, *meta)
+        core = k_ops.rms_norm(core, self.norm.weight, self.norm.eps, gate=z.unflatten(-1, v_heads))
         return self.out_proj(core.reshape(x.shape[0], self.value_dim))
 
     def _read_state(self, slot: int, x: torch.Tensor) -> _RequestStates:

@@ -1,21 +1,26 @@
-"""Gated MLP (SwiGLU for ``hidden_act="silu"``): down(act(gate(x)) * up(x))."""
+"""Gated MLP (SwiGLU for ``hidden_act="silu"``): down(act(gate(x)) * up(x)).
+
+gate and up run as one GEMM (``gate_up_proj``, a ``MergedLinear``) and act(gate) * up as one kernel on
+CUDA: 3 launches instead of 5. The state dict keeps the checkpoint's ``gate_proj`` / ``up_proj`` names.
+"""
 
 import torch
 from torch import nn
 
-from truespec.layers.activation import get_activation
+from truespec.layers.activation import act_and_mul, get_activation
+from truespec.layers.linear import MergedLinear, use_checkpoint_names
 
 
 class GatedMLP(nn.Module):
-    """Separate gate/up projections, named as in HF checkpoints (no weight renaming at load)."""
-
     def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str, bias: bool = False) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
+        get_activation(hidden_act)  # unsupported names fail at construction
+        self.hidden_act = hidden_act
+        sizes = {"gate_proj": intermediate_size, "up_proj": intermediate_size}
+        self.gate_up_proj = MergedLinear(hidden_size, sizes, bias=bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
-        self.act_fn = get_activation(hidden_act)
+        use_checkpoint_names(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [num_tokens, hidden_size]
-        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+        # x: [num_tokens, hidden_size] -> gate_up [num_tokens, 2 * intermediate_size] -> [num_tokens, hidden_size]
+        return self.down_proj(act_and_mul(self.gate_up_proj(x), self.hidden_act))

@@ -13,6 +13,8 @@ import torch
 from torch import nn
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from truespec.layers.backend import kernels, use_kernels
+from truespec.layers.norm import RMSNorm, rms_norm_torch
 from truespec.layers.precision import compute_dtype
 
 # "dynamic" and "longrope" change inv_freq with the longest sequence in the *batch* in transformers:
@@ -67,8 +69,9 @@ class RotaryEmbedding(nn.Module):
         cdt = compute_dtype(dtype)
         freqs = positions.to(cdt)[:, None] * self.inv_freq.to(cdt)[None, :]
         emb = torch.cat([freqs, freqs], dim=-1)
-        cos = emb.cos() * self.attention_scaling
-        sin = emb.sin() * self.attention_scaling
+        cos, sin = emb.cos(), emb.sin()
+        if self.attention_scaling != 1.0:  # x * 1.0 == x exactly: skip two kernels in the common case
+            cos, sin = cos * self.attention_scaling, sin * self.attention_scaling
         return cos.to(dtype), sin.to(dtype)
 
     def extra_repr(self) -> str:
@@ -87,3 +90,42 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     x_rot, x_pass = x[..., :rotary_dim], x[..., rotary_dim:]
     x_rot = x_rot * cos + _rotate_half(x_rot) * sin
     return torch.cat([x_rot, x_pass], dim=-1)
+
+
+def qk_norm_rotary_torch(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    q_weight: torch.Tensor | None,
+    k_weight: torch.Tensor | None,
+    eps: float,
+    unit_offset: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-head RMSNorm of q [T, H, D] and k [T, HK, D] (skipped when the weights are None), then RoPE:
+    the CPU path and the reference of the fused Triton kernel (kernels/qk_norm_rope.py)."""
+    if q_weight is not None and k_weight is not None:
+        q, k = rms_norm_torch(q, q_weight, eps, unit_offset), rms_norm_torch(k, k_weight, eps, unit_offset)
+    return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+
+
+def apply_qk_norm_rotary(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    q_norm: RMSNorm | None = None,
+    k_norm: RMSNorm | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [T, H, D], k [T, HK, D] (views of the qkv projection) -> optional q/k norm, then RoPE.
+    One Triton kernel for both on CUDA (instead of 2 norms + 6 elementwise ops per tensor)."""
+    if (q_norm is None) != (k_norm is None):
+        raise ValueError("q_norm and k_norm come together")
+    q_weight, k_weight, eps, unit_offset = None, None, 0.0, False
+    if q_norm is not None and k_norm is not None:
+        if (q_norm.eps, q_norm.unit_offset) != (k_norm.eps, k_norm.unit_offset):
+            raise ValueError("q_norm and k_norm must share eps and unit_offset")
+        q_weight, k_weight, eps, unit_offset = q_norm.weight, k_norm.weight, q_norm.eps, q_norm.unit_offset
+    if use_kernels(q) and q.stride(-1) == 1 and k.stride(-1) == 1:
+        return kernels().qk_norm_rope(q, k, cos, sin, q_weight, k_weight, eps, unit_offset)
+    return qk_norm_rotary_torch(q, k, cos, sin, q_weight, k_weight, eps, unit_offset)

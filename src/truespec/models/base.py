@@ -11,7 +11,14 @@ Cache binding (the runner allocates; the layers define shapes and dtypes):
   * ``model.gdn_layers()`` -> the ``GatedDeltaNet`` modules in layer order. ``layer.state_shapes()``
     gives the per-slot (conv, ssm) shapes and ``layer.state_dtypes()`` their dtypes; bind
     ``layer.conv_state`` [num_slots, *conv_shape] and ``layer.ssm_state`` [num_slots, *ssm_shape].
-Weights are named exactly as in HF checkpoints (``model.layers.0.self_attn.q_proj.weight``, ...).
+State dicts name weights exactly as HF checkpoints do (``model.layers.0.self_attn.q_proj.weight``, ...),
+although projections that read the same input are one merged parameter (``self_attn.qkv_proj.weight``,
+``mlp.gate_up_proj.weight``: one GEMM each); ``state_dict()`` gives each checkpoint tensor as a view of its
+rows (layers/linear.py), which is how the loader fills them.
+
+Decoder layers follow the residual-stream protocol of ``run_decoder_layers``: a layer takes the previous
+layer's output and the residual stream *before* it was added, and adds it inside its first norm
+(``RMSNorm.add_norm``: one kernel on CUDA instead of an add and a norm).
 """
 
 import torch
@@ -20,7 +27,21 @@ from torch import nn
 
 from truespec.layers.attention import PagedAttention
 from truespec.layers.gdn import GatedDeltaNet
+from truespec.layers.norm import RMSNorm
 from truespec.layers.rotary import RotaryEmbedding
+
+
+def run_decoder_layers(
+    layers: nn.ModuleList, norm: RMSNorm, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> torch.Tensor:
+    """h [T, H] -> norm(h after every layer). Layer i gets (its input's last summand, the residual stream
+    before that summand; None for the first layer, whose input is h itself) and returns the same pair
+    for layer i + 1; the last pair's sum is added inside the final norm. Same sums, in the same order,
+    as ``h = h + block(norm(h))`` per block."""
+    residual = None
+    for layer in layers:
+        h, residual = layer(h, residual, cos, sin)
+    return norm.add_norm(h, residual)[0]
 
 
 class DecoderModel(nn.Module):
@@ -29,16 +50,14 @@ class DecoderModel(nn.Module):
 
     embed_tokens: nn.Embedding
     layers: nn.ModuleList
-    norm: nn.Module
+    norm: RMSNorm
     rotary_emb: RotaryEmbedding
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         # input_ids, positions: [T] -> hidden [T, hidden_size] after the final norm
         h = self.embed_tokens(input_ids)
         cos, sin = self.rotary_emb(positions, h.dtype)
-        for layer in self.layers:
-            h = layer(h, cos, sin)
-        return self.norm(h)
+        return run_decoder_layers(self.layers, self.norm, h, cos, sin)
 
 
 class CausalLM(nn.Module):

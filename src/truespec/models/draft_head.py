@@ -5,14 +5,15 @@ import torch
 from torch import nn
 
 from truespec.layers.attention import PagedAttention
-from truespec.models.base import CausalLM
+from truespec.layers.norm import RMSNorm
+from truespec.models.base import CausalLM, run_decoder_layers
 
 
 class HiddenStateDraftHead(nn.Module):
     uses_target_hidden = True  # the drafter feeds it the target's final-normed hidden states
     fc: nn.Linear
     layers: nn.ModuleList
-    norm: nn.Module
+    norm: RMSNorm
     rotary_emb: nn.Module
 
     def __init__(self, target: CausalLM | None) -> None:
@@ -27,9 +28,7 @@ class HiddenStateDraftHead(nn.Module):
         # input_ids, positions: [T]; hidden: [T, H] the target's (or this head's previous) normed hidden
         x = self.fuse(self._target[0].embed_tokens(input_ids), hidden)
         cos, sin = self.rotary_emb(positions, x.dtype)
-        for layer in self.layers:
-            x = layer(x, cos, sin)
-        return self.norm(x)
+        return run_decoder_layers(self.layers, self.norm, x, cos, sin)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self._target[0].compute_logits(hidden)

@@ -42,15 +42,20 @@ class EagleHead(HiddenStateDraftHead):
         return self.fc(torch.cat([embeds, hidden], dim=-1))
 
 
-def save_eagle_head(directory: str | Path, layer_config: Qwen3Config, state_dict: dict[str, torch.Tensor],
-                    dtype: torch.dtype = torch.bfloat16) -> None:
+def save_eagle_head(
+    directory: str | Path,
+    layer_config: Qwen3Config,
+    state_dict: dict[str, torch.Tensor],
+    dtype: torch.dtype = torch.bfloat16,
+) -> None:
     """Write a head directory from the decoder layer's config and weights named as ``EagleHead``'s."""
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
     config = {"model_type": MODEL_TYPE, "architectures": ["EagleHead"], "layer_config": layer_config.to_dict()}
     (out / "config.json").write_text(json.dumps(config, indent=2, default=str))
-    save_file({k: v.detach().to(dtype).contiguous().cpu() for k, v in state_dict.items()},
-              str(out / "model.safetensors"))
+    save_file(
+        {k: v.detach().to(dtype).contiguous().cpu() for k, v in state_dict.items()}, str(out / "model.safetensors")
+    )
 
 
 def load_eagle_head(directory: str | Path, target: CausalLM, hidden_size: int) -> EagleHead:

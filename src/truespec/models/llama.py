@@ -6,9 +6,10 @@ import torch
 from torch import nn
 
 from truespec.layers.attention import PagedAttention
+from truespec.layers.linear import MergedLinear, use_checkpoint_names
 from truespec.layers.mlp import GatedMLP
 from truespec.layers.norm import RMSNorm
-from truespec.layers.rotary import apply_rotary, rope_from_config
+from truespec.layers.rotary import apply_qk_norm_rotary, rope_from_config
 from truespec.models.base import CausalLM, DecoderModel
 
 
@@ -17,31 +18,33 @@ def head_dim_of(config: Any) -> int:
 
 
 class LlamaAttention(nn.Module):
-    """q/k/v/o projections (optional bias), optional per-head q/k RMSNorm (Qwen3), full RoPE, GQA."""
+    """q/k/v/o projections (optional bias), optional per-head q/k RMSNorm (Qwen3), full RoPE, GQA.
+    q/k/v run as one GEMM (``qkv_proj``; the state dict keeps ``q_proj`` / ``k_proj`` / ``v_proj``)."""
 
     def __init__(self, config: Any, qk_norm: bool) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = head_dim_of(config)
         bias = bool(getattr(config, "attention_bias", False))
-        self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        sizes = {"q_proj": q_size, "k_proj": kv_size, "v_proj": kv_size}
+        self.qkv_proj = MergedLinear(config.hidden_size, sizes, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
         if qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.qk_norm = qk_norm
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5)
+        use_checkpoint_names(self)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         # x: [T, hidden]; cos/sin: [T, rotary_dim]
-        q = self.q_proj(x).unflatten(-1, (self.num_heads, self.head_dim))  # [T, H, D]
-        k = self.k_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim))  # [T, Hkv, D]
-        v = self.v_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim))
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k, v = self.qkv_proj.split(self.qkv_proj(x))  # strided views of one [T, (H + 2 Hkv) D] output
+        q = q.unflatten(-1, (self.num_heads, self.head_dim))  # [T, H, D]
+        k = k.unflatten(-1, (self.num_kv_heads, self.head_dim))  # [T, Hkv, D]
+        v = v.unflatten(-1, (self.num_kv_heads, self.head_dim))
+        norms = (self.q_norm, self.k_norm) if self.qk_norm else (None, None)
+        q, k = apply_qk_norm_rotary(q, k, cos, sin, *norms)
         return self.o_proj(self.attn(q, k, v).flatten(-2))
 
 
@@ -54,9 +57,13 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(
+        self, h: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual-stream protocol of ``base.run_decoder_layers``: returns (MLP output, residual)."""
+        x, residual = self.input_layernorm.add_norm(h, residual)
+        x, residual = self.post_attention_layernorm.add_norm(self.self_attn(x, cos, sin), residual)
+        return self.mlp(x), residual
 
 
 class LlamaModel(DecoderModel):
@@ -66,7 +73,6 @@ class LlamaModel(DecoderModel):
         self.layers = nn.ModuleList([LlamaDecoderLayer(config, qk_norm) for _ in range(config.num_hidden_layers)])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = rope_from_config(config, head_dim_of(config))
-
 
 
 class LlamaForCausalLM(CausalLM):

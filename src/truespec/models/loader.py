@@ -113,6 +113,8 @@ def _model_name(name: str) -> str | None:
 
 @torch.no_grad()
 def _load_weights(model: CausalLM, files: list[Path], dtype: torch.dtype, device: torch.device) -> dict[str, Any]:
+    # Checkpoint names; a merged projection's (q_proj, gate_proj, ...) are row views of its merged weight
+    # (layers/linear.py), so copying into them fills the merged parameter in place.
     params = model.state_dict()
     loaded: set[str] = set()
     unexpected: list[str] = []

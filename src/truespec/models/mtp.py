@@ -56,8 +56,10 @@ def load_state(module: nn.Module, weights: dict[str, torch.Tensor], prefix: str)
     missing = sorted(set(params) - set(weights))
     unexpected = sorted(set(weights) - set(params))
     if missing or unexpected:
-        raise ValueError(f"{prefix}* weights do not match the head: missing {[prefix + m for m in missing]}, "
-                         f"unexpected {[prefix + u for u in unexpected]}")
+        raise ValueError(
+            f"{prefix}* weights do not match the head: missing {[prefix + m for m in missing]}, "
+            f"unexpected {[prefix + u for u in unexpected]}"
+        )
     for name, tensor in weights.items():
         if tensor.shape != params[name].shape:
             raise ValueError(f"{prefix}{name} has shape {tuple(tensor.shape)}, expected {tuple(params[name].shape)}")

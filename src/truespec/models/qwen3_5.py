@@ -9,11 +9,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from truespec.layers.activation import sigmoid_gate
 from truespec.layers.attention import PagedAttention
 from truespec.layers.gdn import GatedDeltaNet
+from truespec.layers.linear import MergedLinear, use_checkpoint_names
 from truespec.layers.mlp import GatedMLP
 from truespec.layers.norm import RMSNorm
-from truespec.layers.rotary import apply_rotary, rope_from_config
+from truespec.layers.rotary import apply_qk_norm_rotary, rope_from_config
 from truespec.models.base import CausalLM, DecoderModel
 
 _LAYER_TYPES = ("linear_attention", "full_attention")
@@ -21,29 +23,32 @@ _LAYER_TYPES = ("linear_attention", "full_attention")
 
 class Qwen3_5Attention(nn.Module):
     """Gated attention: q_proj gives [q_h | gate_h] per head; (1+w) q/k norm; partial RoPE; GQA;
-    output * sigmoid(gate) -> o_proj."""
+    output * sigmoid(gate) -> o_proj. q_proj, k_proj, v_proj run as one GEMM (``qkv_proj``; the state
+    dict keeps the three checkpoint names); on CUDA q/k norm + RoPE is one kernel, the gate another."""
 
     def __init__(self, config: Any) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = config.head_dim
         hidden, bias = config.hidden_size, bool(config.attention_bias)
-        self.q_proj = nn.Linear(hidden, 2 * self.num_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        kv_size = self.num_kv_heads * self.head_dim
+        sizes = {"q_proj": 2 * self.num_heads * self.head_dim, "k_proj": kv_size, "v_proj": kv_size}
+        self.qkv_proj = MergedLinear(hidden, sizes, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=bias)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, unit_offset=True)
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, unit_offset=True)
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5)
+        use_checkpoint_names(self)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        # x: [T, hidden]; cos/sin: [T, rotary_dim]
-        q, gate = self.q_proj(x).unflatten(-1, (self.num_heads, 2 * self.head_dim)).chunk(2, dim=-1)
-        k = self.k_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim))
-        v = self.v_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim))
-        q, k = apply_rotary(self.q_norm(q), cos, sin), apply_rotary(self.k_norm(k), cos, sin)
-        out = self.attn(q, k, v).flatten(-2) * torch.sigmoid(gate.flatten(-2))  # [T, H*D]
-        return self.o_proj(out)
+        # x: [T, hidden]; cos/sin: [T, rotary_dim]. q, gate, k, v: strided views of one GEMM output.
+        q_gate, k, v = self.qkv_proj.split(self.qkv_proj(x))
+        q, gate = q_gate.unflatten(-1, (self.num_heads, 2 * self.head_dim)).chunk(2, dim=-1)  # [T, H, D] each
+        k = k.unflatten(-1, (self.num_kv_heads, self.head_dim))
+        v = v.unflatten(-1, (self.num_kv_heads, self.head_dim))
+        q, k = apply_qk_norm_rotary(q, k, cos, sin, self.q_norm, self.k_norm)
+        out = sigmoid_gate(self.attn(q, k, v), gate)  # [T, H, D]
+        return self.o_proj(out.flatten(-2))
 
 
 class Qwen3_5DecoderLayer(nn.Module):
@@ -67,11 +72,15 @@ class Qwen3_5DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, unit_offset=True)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, unit_offset=True)
 
-    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = self.input_layernorm(h)
+    def forward(
+        self, h: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual-stream protocol of ``base.run_decoder_layers``: returns (MLP output, residual)."""
+        x, residual = self.input_layernorm.add_norm(h, residual)
         is_linear = self.layer_type == "linear_attention"
-        h = h + (self.linear_attn(x) if is_linear else self.self_attn(x, cos, sin))
-        return h + self.mlp(self.post_attention_layernorm(h))
+        h = self.linear_attn(x) if is_linear else self.self_attn(x, cos, sin)
+        x, residual = self.post_attention_layernorm.add_norm(h, residual)
+        return self.mlp(x), residual
 
 
 class Qwen3_5TextModel(DecoderModel):
@@ -85,7 +94,6 @@ class Qwen3_5TextModel(DecoderModel):
         self.layers = nn.ModuleList([Qwen3_5DecoderLayer(config, t) for t in layer_types])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, unit_offset=True)
         self.rotary_emb = rope_from_config(config, config.head_dim)
-
 
 
 class Qwen3_5ForCausalLM(CausalLM):

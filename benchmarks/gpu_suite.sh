@@ -1,0 +1,53 @@
+#!/bin/bash
+# Everything issue 5 measures, on a GPU machine, results under $OUT (the device tool's commands stop at 10 minutes,
+# so run it as two commands: `... tests tune timing profile`, then `... compare spec`):
+#   GPU tests -> kernel tile/warp tuning -> the 0.8B-shaped model -> decode step timing (GPU vs host) ->
+#   decode profiles at BS 1 and 32 -> truespec vs transformers (BS 1, 8, 32, 128 and the mixed workload) ->
+#   the embedded model's speculation speeds. Each part has its own time limit, so one failure costs only itself.
+#
+#   bash benchmarks/gpu_suite.sh [PARTS...]     # PARTS: tests tune timing profile compare spec (default: all)
+#
+# fla-core (optional; transformers' best GDN path and truespec's chunked prefill) is installed from .whl/ if there.
+set -u
+cd "$(dirname "$0")/.."
+OUT=${OUT:-.out/gpu_suite}
+mkdir -p "$OUT"
+if ls .whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}src:tests PYTHONUNBUFFERED=1
+parts=${*:-tests tune timing profile compare spec}
+has() { [[ " $parts " == *" $1 "* ]]; }
+shape=/tmp/qwen35-0.8b-shape
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/device.txt"
+
+if has tests; then
+    timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/ 2>&1 | tail -30 > "$OUT/gpu_tests.log"
+    tail -3 "$OUT/gpu_tests.log"
+fi
+if has tune; then
+    timeout 90 python3 benchmarks/tune_decode_kernels.py --batch-sizes 1 8 32 128 --query-len 1 4 \
+        > "$OUT/tune_decode_kernels.txt" 2>&1
+fi
+if has timing || has profile || has compare; then
+    [ -d $shape ] || timeout 60 python3 benchmarks/qwen35_shape.py --out $shape --device cuda
+fi
+if has timing; then
+    timeout 120 python3 benchmarks/step_timing.py --model $shape --batch-sizes 1 8 32 > "$OUT/step_timing.txt" 2>&1
+    tail -6 "$OUT/step_timing.txt"
+fi
+if has profile; then
+    for bs in 1 32; do
+        timeout 60 python3 benchmarks/profile_step.py --model $shape --batch-size $bs > "$OUT/profile_bs$bs.txt" 2>&1
+        grep "GPU kernel time" "$OUT/profile_bs$bs.txt"
+    done
+fi
+if has compare; then
+    timeout 240 python3 benchmarks/vs_transformers.py --model $shape --mixed --json "$OUT/vs_transformers.json" \
+        > "$OUT/vs_transformers.txt" 2>&1
+    tail -12 "$OUT/vs_transformers.txt"
+fi
+if has spec; then
+    timeout 150 python3 benchmarks/spec_speed.py --json "$OUT/spec_speed.json" > "$OUT/spec_speed.txt" 2>&1
+    tail -16 "$OUT/spec_speed.txt"
+fi

@@ -1,0 +1,89 @@
+"""Tile and warp choices of the GDN recurrent and causal conv1d kernels on decode / verify batches, on the
+Qwen3.5-0.8B GDN shape (16 k-heads, 16 v-heads, dk = dv = 128, conv over 6144 channels, kernel 4).
+
+Each variant is checked against the default configuration (max abs difference) and timed with
+``triton.testing.do_bench_cudagraph`` (replays of a captured graph: no Python launch overhead, as in the engine).
+GB/s counts the bytes a step must move: fp32 state read + every written state, the q/k/v/g/beta inputs and the
+output.
+
+    python3 benchmarks/tune_decode_kernels.py [--batch-sizes 1 8 32 128] [--query-len 1]
+"""
+
+import argparse
+import itertools
+
+import torch
+import triton
+
+from truespec.kernels import causal_conv1d, gdn_recurrent
+
+HK, HV, DK, DV, CONV_K = 16, 16, 128, 128, 4
+
+
+def _metadata(num_reqs: int, query_len: int, device: str) -> tuple[torch.Tensor, ...]:
+    qsl = torch.arange(num_reqs + 1, device=device) * query_len
+    src = torch.arange(num_reqs, device=device)  # slot r holds request r's state
+    dst = num_reqs + torch.arange(num_reqs, device=device) * query_len  # a fresh group of query_len slots
+    return qsl, src, dst, torch.zeros(num_reqs, dtype=torch.long, device=device)
+
+
+def tune_gdn(num_reqs: int, query_len: int) -> list[tuple[str, float, float, float]]:
+    t, dev = num_reqs * query_len, "cuda"
+    q, k = torch.randn(t, HK, DK, device=dev, dtype=torch.bfloat16), torch.randn(t, HK, DK, device=dev).bfloat16()
+    v = torch.randn(t, HV, DV, device=dev, dtype=torch.bfloat16)
+    g, beta = -torch.rand(t, HV, device=dev), torch.rand(t, HV, device=dev)
+    state = torch.randn(num_reqs * (1 + query_len), HV, DK, DV, device=dev) * 0.1
+    meta = _metadata(num_reqs, query_len, dev)
+    nbytes = num_reqs * HV * DK * DV * 4 * (1 + query_len) + 3 * q.numel() * 2 + 2 * v.numel() * 2
+    ref = gdn_recurrent(q, k, v, g, beta, state.clone(), *meta)
+    rows = []
+    for block_v, warps in itertools.product((8, 16, 32, 64), (1, 2, 4, 8)):
+        if block_v * DK // (32 * warps) < 4:
+            continue
+        out = gdn_recurrent(q, k, v, g, beta, state.clone(), *meta, block_v=block_v, num_warps=warps)
+        err = (out.float() - ref.float()).abs().max().item()
+        ms = triton.testing.do_bench_cudagraph(
+            lambda bv=block_v, w=warps: gdn_recurrent(q, k, v, g, beta, state, *meta, block_v=bv, num_warps=w)
+        )
+        rows.append((f"BV={block_v} warps={warps}", ms * 1e3, nbytes / ms / 1e6, err))
+    return rows
+
+
+def tune_conv(num_reqs: int, query_len: int) -> list[tuple[str, float, float, float]]:
+    t, dev, channels = num_reqs * query_len, "cuda", 2 * HK * DK + HV * DV
+    x = torch.randn(t, channels, device=dev, dtype=torch.bfloat16)
+    weight = torch.randn(channels, CONV_K, device=dev, dtype=torch.bfloat16)
+    conv_state = torch.randn(num_reqs * (1 + query_len), channels, CONV_K - 1, device=dev, dtype=torch.bfloat16)
+    meta = _metadata(num_reqs, query_len, dev)
+    nbytes = (num_reqs * (1 + query_len) * (CONV_K - 1) + 2 * t) * channels * 2
+    ref = causal_conv1d(x, weight, conv_state.clone(), *meta)
+    rows = []
+    for block_c, warps in itertools.product((128, 256, 512, 1024), (1, 2, 4, 8)):
+        out = causal_conv1d(x, weight, conv_state.clone(), *meta, block_c=block_c, num_warps=warps)
+        err = (out.float() - ref.float()).abs().max().item()
+        ms = triton.testing.do_bench_cudagraph(
+            lambda bc=block_c, w=warps: causal_conv1d(x, weight, conv_state, *meta, block_c=bc, num_warps=w)
+        )
+        rows.append((f"BLOCK_C={block_c} warps={warps}", ms * 1e3, nbytes / ms / 1e6, err))
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32, 128])
+    parser.add_argument("--query-len", type=int, nargs="+", default=[1, 4])
+    args = parser.parse_args()
+    print(torch.cuda.get_device_name())
+    for (name, fn), bs, qlen in itertools.product(
+        (("gdn_recurrent", tune_gdn), ("causal_conv1d", tune_conv)), args.batch_sizes, args.query_len
+    ):
+        rows = sorted(fn(bs, qlen), key=lambda r: r[1])
+        print(f"\n{name} BS={bs} query_len={qlen}\n| variant | us | GB/s | max abs diff vs default |")
+        print("|---|---:|---:|---:|")
+        default = [r for r in rows if r[0] in ("BV=32 warps=1", "BLOCK_C=256 warps=4")]
+        for label, us, gbps, err in rows[:6] + default:
+            print(f"| {label} | {us:.1f} | {gbps:.0f} | {err:.2e} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,177 @@
+"""Gated delta rule with long prefill chunks through fla-core's chunked kernel (optional, CUDA, eager only).
+
+``gdn_recurrent`` runs a request's tokens one after another, so a 4096-token prefill chunk is 4096 dependent
+steps. flash-linear-attention's ``chunk_gated_delta_rule`` (package ``fla-core``, not a dependency: truespec
+imports and runs without it) computes the same recurrence 64 tokens at a time with matrix products (the WY /
+UT-transform form). ``gdn_chunked`` sends it the requests where that is both fast and enough: a query of at
+least ``MIN_CHUNK_LEN`` tokens that keeps only its final state (``state_write_start == query_len - 1``, or no
+state at all: ``state_dst == -1``). Every other request (decodes, 1+k verifies that keep a state per position,
+short chunks) runs through ``gdn_recurrent`` unchanged, so invariant 2 holds exactly as there.
+
+Eager only: the split is decided on the host from host copies of the metadata and the fla launch sizes depend
+on it, so the caller uses ``gdn_recurrent`` in captured CUDA graphs (called during a capture, this function
+does exactly that).
+
+Numerics: fla computes in fp32 with TF32 tensor-core products (bf16 inputs are upcast first: 4x closer states
+than feeding fla bf16, ~5% slower), in a different order than the token loop. Chunked requests match
+``gdn_recurrent_ref`` to ~1.5e-3 (fp32 inputs) / ~2.8e-3 (bf16 inputs) relative error in outputs and ~8e-4 in
+final states (Frobenius, worst request; H200, Qwen3.5 shapes, chunks up to 700 tokens); requests left to
+``gdn_recurrent`` are bit-identical to a plain ``gdn_recurrent`` call. fla keeps its state in fp32 only, so
+float64 states (float64 models, the exactness tests) always take the token loop.
+
+Speed (benchmarks/gdn_prefill.py, H200, bf16): one call costs ~1.4 ms whatever its size, then ~0.13 us per
+token; the token loop costs ~1.7 us per token of the longest request (until the GPU is full: 128x512 tokens
+take 8.4 ms either way). So one 4096-token chunk is 4.6x faster, one 512-token chunk 2x slower: hence the
+default ``MIN_CHUNK_LEN``.
+"""
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from truespec.kernels.gdn_recurrent import gdn_recurrent
+
+MIN_CHUNK_LEN = 1024  # measured break-even ~800 tokens (bf16) / ~1100 (fp32); never below fla's chunk size, 64
+MAX_HEAD_K_DIM = 256  # fla's state kernel (chunk_gated_delta_rule_fwd_h) asserts head_k_dim <= 256
+
+
+@functools.cache
+def _import_fla() -> Callable | None:
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    except Exception:  # noqa: BLE001 - not installed, or does not import with this torch / triton
+        return None
+    return chunk_gated_delta_rule
+
+
+def _chunk_kernel() -> Callable | None:
+    """fla's ``chunk_gated_delta_rule`` when it can run here (CUDA present and fla importable), else None."""
+    return _import_fla() if torch.cuda.is_available() else None
+
+
+def is_available() -> bool:
+    """Whether ``gdn_chunked`` can use the chunked kernel (otherwise it is exactly ``gdn_recurrent``)."""
+    return _chunk_kernel() is not None
+
+
+@dataclass(frozen=True)
+class RequestSplit:
+    chunked: list[int]  # requests for the chunk kernel: long queries keeping only their final state
+    recurrent: list[int]  # every other request with a non-empty query (empty ones do nothing anywhere)
+
+
+def split_requests(
+    query_start_loc: list[int], state_dst: list[int], state_write_start: list[int], min_chunk_len: float
+) -> RequestSplit:
+    """Which requests the chunk kernel runs: query_len >= min_chunk_len and no state kept but the last."""
+    chunked, recurrent = [], []
+    for r, (dst, write_start) in enumerate(zip(state_dst, state_write_start, strict=True)):
+        query_len = query_start_loc[r + 1] - query_start_loc[r]
+        if query_len == 0:
+            continue
+        keeps_final_only = dst < 0 or write_start >= query_len - 1
+        (chunked if query_len >= min_chunk_len and keeps_final_only else recurrent).append(r)
+    return RequestSplit(chunked, recurrent)
+
+
+def _token_rows(qsl: list[int], reqs: list[int], device: torch.device) -> slice | torch.Tensor:
+    """Token rows of ``reqs`` in order: a slice when they are one contiguous run (a view, no copy)."""
+    if all(qsl[a + 1] == qsl[b] for a, b in zip(reqs, reqs[1:], strict=False)):
+        return slice(qsl[reqs[0]], qsl[reqs[-1] + 1])
+    return torch.cat([torch.arange(qsl[r], qsl[r + 1]) for r in reqs]).to(device)
+
+
+def _sub_start_loc(qsl: list[int], reqs: list[int]) -> list[int]:
+    """query_start_loc of ``reqs`` packed one after another (their token rows from ``_token_rows``)."""
+    starts = [0]
+    for r in reqs:
+        starts.append(starts[-1] + qsl[r + 1] - qsl[r])
+    return starts
+
+
+def _gather_states(ssm_state: torch.Tensor, src: list[int]) -> torch.Tensor:
+    """A copy of the source slots' states, [len(src), HV, DK, DV]; zeros where the source is -1."""
+    states = torch.zeros(len(src), *ssm_state.shape[1:], dtype=ssm_state.dtype, device=ssm_state.device)
+    rows = [i for i, s in enumerate(src) if s >= 0]
+    if rows:
+        states[rows] = ssm_state[[src[i] for i in rows]]
+    return states
+
+
+@dataclass(frozen=True)
+class _HostMeta:
+    """Host copies of a step's per-request GDN metadata (forward_context.py's slot protocol)."""
+
+    qsl: list[int]
+    src: list[int]
+    dst: list[int]
+    write_start: list[int]
+
+    def query_len(self, r: int) -> int:
+        return self.qsl[r + 1] - self.qsl[r]
+
+    def sub_batch(self, reqs: list[int], device: torch.device) -> list[torch.Tensor]:
+        """(query_start_loc, state_src, state_dst, state_write_start) of ``reqs`` with their tokens packed."""
+        per_request = [[x[r] for r in reqs] for x in (self.src, self.dst, self.write_start)]
+        columns = [_sub_start_loc(self.qsl, reqs), *per_request]
+        return [torch.tensor(c, dtype=torch.int64, device=device) for c in columns]
+
+
+@torch.no_grad()
+def gdn_chunked(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    ssm_state: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    state_src: torch.Tensor,
+    state_dst: torch.Tensor,
+    state_write_start: torch.Tensor,
+    scale: float | None = None,
+    use_qk_l2norm: bool = True,
+    *,
+    query_start_loc_cpu: list[int] | None = None,
+    state_src_cpu: list[int] | None = None,
+    state_dst_cpu: list[int] | None = None,
+    state_write_start_cpu: list[int] | None = None,
+    min_chunk_len: int = MIN_CHUNK_LEN,
+) -> torch.Tensor:
+    """``gdn_recurrent`` (same arguments, same effect on ``ssm_state``, o [T, HV, DV]) with long prefill
+    chunks through fla's chunk kernel. The ``*_cpu`` lists are host copies of the metadata (read back with
+    one sync when omitted). All initial states are read before any slot is written.
+    """
+    meta = (query_start_loc, state_src, state_dst, state_write_start)
+    if ssm_state.is_cuda and torch.cuda.is_current_stream_capturing():  # host reads cannot be captured
+        return gdn_recurrent(q, k, v, g, beta, ssm_state, *meta, scale, use_qk_l2norm)
+    host = _HostMeta(*(t.tolist() if cpu is None else cpu for t, cpu in (
+        (query_start_loc, query_start_loc_cpu), (state_src, state_src_cpu), (state_dst, state_dst_cpu),
+        (state_write_start, state_write_start_cpu))))  # fmt: skip
+    kernel = _chunk_kernel()
+    usable = kernel is not None and ssm_state.dtype == torch.float32 and q.shape[-1] <= MAX_HEAD_K_DIM
+    split = split_requests(host.qsl, host.dst, host.write_start, min_chunk_len if usable else float("inf"))
+    if not split.chunked:
+        return gdn_recurrent(q, k, v, g, beta, ssm_state, *meta, scale, use_qk_l2norm)
+    initial = _gather_states(ssm_state, [host.src[r] for r in split.chunked])  # reads before any write
+    out = torch.zeros(q.shape[0], v.shape[1], v.shape[2], dtype=v.dtype, device=v.device)
+    if split.recurrent:
+        rows, sub_meta = _token_rows(host.qsl, split.recurrent, q.device), host.sub_batch(split.recurrent, q.device)
+        sub_inputs = (x[rows] for x in (q, k, v, g, beta))
+        out[rows] = gdn_recurrent(*sub_inputs, ssm_state, *sub_meta, scale, use_qk_l2norm)
+    rows = _token_rows(host.qsl, split.chunked, q.device)
+    cu_seqlens = torch.tensor(_sub_start_loc(host.qsl, split.chunked), dtype=torch.int64)
+    cdt = ssm_state.dtype  # fla's products in fp32 (TF32) even for bf16 inputs, as gdn_recurrent's math
+    o, final = kernel(
+        *(x[rows][None].to(cdt) for x in (q, k, v, g, beta)), scale=q.shape[-1] ** -0.5 if scale is None else scale,
+        initial_state=initial, output_final_state=True, use_qk_l2norm_in_kernel=use_qk_l2norm,
+        cu_seqlens=cu_seqlens.to(q.device), cu_seqlens_cpu=cu_seqlens,
+    )  # fmt: skip
+    out[rows] = o[0].to(out.dtype)
+    kept = [r for r in split.chunked if host.dst[r] >= 0 and host.write_start[r] == host.query_len(r) - 1]
+    if kept:  # final[i] is request split.chunked[i]'s state after its last token
+        final_rows = [split.chunked.index(r) for r in kept]
+        ssm_state[[host.dst[r] for r in kept]] = final[final_rows].to(ssm_state.dtype)
+    return out

@@ -1,0 +1,89 @@
+"""Gated DeltaNet's per-token gates in one kernel (instead of ~12 torch ops), one program per token:
+
+  g    = -exp(A_log) * softplus(a + dt_bias)     log decay, in the compute dtype
+  beta = sigmoid(b)                              rounded to the model dtype, then to the compute dtype
+
+as ``layers/gdn.py`` computes them (``gdn_gating_ref`` spells its two lines out). softplus is torch's:
+x above 20 passes through, else log1p(exp(x)), with log1p(u) = log(1 + u) * u / ((1 + u) - 1), which
+keeps full relative precision for tiny u (Triton has no log1p).
+"""
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from truespec.kernels.triton_utils import tl_compute_dtype
+from truespec.layers.precision import compute_dtype
+
+_SOFTPLUS_THRESHOLD = 20.0  # torch.nn.functional.softplus's default
+
+
+@triton.jit
+def _gdn_gating_kernel(
+    g_ptr,  # [T, HV] compute dtype, contiguous
+    beta_ptr,  # [T, HV] compute dtype, contiguous
+    a_ptr,  # [T, HV] model dtype
+    b_ptr,  # [T, HV] model dtype
+    A_log_ptr,  # [HV]
+    dt_bias_ptr,  # [HV]
+    stride_a_row,
+    stride_b_row,
+    HV: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    THRESHOLD: tl.constexpr,
+    ACC_DTYPE: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    h = tl.arange(0, BLOCK_H)
+    mask = h < HV
+    model_dtype = a_ptr.dtype.element_ty
+    a = tl.load(a_ptr + token * stride_a_row + h, mask=mask, other=0.0).to(ACC_DTYPE)
+    b = tl.load(b_ptr + token * stride_b_row + h, mask=mask, other=0.0).to(ACC_DTYPE)
+    A_log = tl.load(A_log_ptr + h, mask=mask, other=0.0).to(ACC_DTYPE)
+    dt_bias = tl.load(dt_bias_ptr + h, mask=mask, other=0.0).to(ACC_DTYPE)
+    x = a + dt_bias
+    u = tl.exp(tl.minimum(x, THRESHOLD))  # clamped: the branch that uses it never sees x > THRESHOLD
+    w = 1.0 + u
+    is_tiny = w == 1.0
+    log1p_u = tl.where(is_tiny, u, tl.log(w) * (u / tl.where(is_tiny, 1.0, w - 1.0)))
+    softplus = tl.where(x > THRESHOLD, x, log1p_u)
+    g = -tl.exp(A_log) * softplus
+    beta = (1.0 / (1.0 + tl.exp(-b))).to(model_dtype).to(ACC_DTYPE)
+    tl.store(g_ptr + token * HV + h, g, mask=mask)
+    tl.store(beta_ptr + token * HV + h, beta, mask=mask)
+
+
+def gdn_gating(
+    a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """a, b [T, HV] (the in_proj_a / in_proj_b outputs, unit last stride, any row stride), A_log, dt_bias
+    [HV], all in the model dtype. Returns (g, beta), each a contiguous [T, HV] in the compute dtype."""
+    num_tokens, num_heads = a.shape
+    if b.shape != a.shape or A_log.shape != (num_heads,) or dt_bias.shape != (num_heads,):
+        raise ValueError(
+            f"a {tuple(a.shape)}, b {tuple(b.shape)}, A_log {tuple(A_log.shape)}, dt_bias "
+            f"{tuple(dt_bias.shape)}: need a, b [T, HV] and A_log, dt_bias [HV]"
+        )
+    if a.stride(-1) != 1 or b.stride(-1) != 1 or not (A_log.is_contiguous() and dt_bias.is_contiguous()):
+        raise ValueError("a and b need a unit last stride; A_log and dt_bias must be contiguous")
+    cdt = compute_dtype(a.dtype)
+    g = torch.empty(num_tokens, num_heads, dtype=cdt, device=a.device)
+    beta = torch.empty_like(g)
+    if num_tokens > 0:
+        _gdn_gating_kernel[(num_tokens,)](
+            g, beta, a, b, A_log, dt_bias, a.stride(0), b.stride(0),
+            HV=num_heads, BLOCK_H=triton.next_power_of_2(num_heads), THRESHOLD=_SOFTPLUS_THRESHOLD,
+            ACC_DTYPE=tl_compute_dtype(a.dtype),
+        )  # fmt: skip
+    return g, beta
+
+
+def gdn_gating_ref(
+    a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The two lines of ``GatedDeltaNet.forward`` (layers/gdn.py), same signature and result."""
+    cdt = compute_dtype(a.dtype)
+    beta = b.sigmoid().to(cdt)
+    g = -A_log.to(cdt).exp() * F.softplus(a.to(cdt) + dt_bias.to(cdt))
+    return g.contiguous(), beta.contiguous()

@@ -1,0 +1,80 @@
+"""Merged projections: several linear layers that read the same input run as one GEMM (one kernel launch).
+
+``MergedLinear`` is an ``nn.Linear`` whose weight rows are the row-concatenation of the checkpoint's
+projections, in order: e.g. ``gate_up_proj.weight = cat([gate_proj.weight, up_proj.weight])``, so its
+output is ``cat([gate_proj(x), up_proj(x)], dim=-1)`` and ``split(y)`` gives the pieces back as views.
+
+Checkpoints keep the HF names. A module that owns merged children calls ``use_checkpoint_names(self)``;
+from then on its ``state_dict()`` names each projection as the checkpoint does (``<parent>.gate_proj.weight``,
+a row-slice *view* of the merged weight, so ``state_dict()[name].copy_(tensor)`` loads it in place, which is
+how the loader and the draft-head loaders fill a model) and ``load_state_dict`` accepts those names.
+``named_parameters()`` shows the merged parameter (``<parent>.gate_up_proj.weight``); ``shard_rows`` tells
+which rows hold which projection.
+"""
+
+from typing import Any
+
+import torch
+from torch import nn
+
+_SUFFIXES = ("weight", "bias")
+
+
+class MergedLinear(nn.Linear):
+    """One ``nn.Linear`` standing for the projections ``output_sizes`` ({checkpoint name: out_features})."""
+
+    def __init__(self, in_features: int, output_sizes: dict[str, int], bias: bool = False) -> None:
+        super().__init__(in_features, sum(output_sizes.values()), bias=bias)
+        self.output_sizes = dict(output_sizes)
+
+    def shard_rows(self) -> dict[str, slice]:
+        """Checkpoint name -> the rows of ``weight`` (and entries of ``bias``) that hold it."""
+        rows, start = {}, 0
+        for name, size in self.output_sizes.items():
+            rows[name] = slice(start, start + size)
+            start += size
+        return rows
+
+    def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """[..., out_features] -> one view per projection, in ``output_sizes`` order."""
+        return y.split(list(self.output_sizes.values()), dim=-1)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, shards={self.output_sizes}"
+
+
+def use_checkpoint_names(module: nn.Module) -> None:
+    """Make ``module``'s state dict speak the checkpoint names of its ``MergedLinear`` children (see above)."""
+    module.register_state_dict_post_hook(_split_merged)
+    module.register_load_state_dict_pre_hook(_merge_shards)
+
+
+def _merged_children(module: nn.Module) -> list[tuple[str, MergedLinear]]:
+    return [(name, child) for name, child in module.named_children() if isinstance(child, MergedLinear)]
+
+
+def _split_merged(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+    """state_dict post-hook: ``<prefix><merged>.weight`` -> ``<prefix><shard>.weight`` row views, in place
+    of the merged entry (``module``'s entries are re-inserted in order, so the shards keep their rank)."""
+    merged = {
+        f"{prefix}{name}.{suffix}": (child, suffix) for name, child in _merged_children(module) for suffix in _SUFFIXES
+    }
+    own = [(key, state_dict.pop(key)) for key in [k for k in state_dict if k.startswith(prefix)]]
+    for key, tensor in own:
+        if key not in merged:
+            state_dict[key] = tensor
+            continue
+        child, suffix = merged[key]
+        for shard, rows in child.shard_rows().items():
+            state_dict[f"{prefix}{shard}.{suffix}"] = tensor[rows]
+
+
+def _merge_shards(module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+    """load_state_dict pre-hook: the checkpoint's ``<prefix><shard>.weight`` tensors -> one merged tensor.
+    Runs before the children are loaded, so they see the merged key; with any shard absent nothing is
+    merged and load_state_dict reports the shards as unexpected and the merged key as missing."""
+    for name, child in _merged_children(module):
+        for suffix in _SUFFIXES:
+            keys = [f"{prefix}{shard}.{suffix}" for shard in child.output_sizes]
+            if all(k in state_dict for k in keys):
+                state_dict[f"{prefix}{name}.{suffix}"] = torch.cat([state_dict.pop(k) for k in keys])

@@ -1,0 +1,208 @@
+"""kernels/gdn_chunked.py: long prefill chunks through fla's chunk kernel, everything else through gdn_recurrent.
+
+On CPU (CI) there is no fla kernel: the request split is tested as a pure function, ``gdn_chunked`` must be
+exactly ``gdn_recurrent``, and the gather / sub-batch / scatter plumbing runs with a stand-in chunk kernel (fla's
+varlen signature, computed by ``gdn_recurrent_ref``) so it must match the reference bit for bit. fla's own Triton
+kernels do not run in the interpreter (its autotuner needs a GPU driver). ``@pytest.mark.gpu`` tests run fla at
+Qwen3.5 sizes against ``gdn_recurrent_ref`` (needs CUDA and fla-core installed; skipped otherwise).
+"""
+
+import os
+import random
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"  # before truespec.kernels is imported: see tests/test_kernels.py
+
+pytest.importorskip("triton")
+
+from truespec.kernels import gdn_chunked as chunked_mod  # noqa: E402
+from truespec.kernels.gdn_chunked import gdn_chunked, is_available, split_requests  # noqa: E402
+from truespec.kernels.gdn_recurrent import gdn_recurrent, gdn_recurrent_ref  # noqa: E402
+from truespec.layers.precision import compute_dtype  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+GROUP = 4  # state slots per request (1 + k_max)
+NUM_PAD_TOKENS = 3
+# Relative (Frobenius) error bound per request of fla's chunked fp32/TF32 math vs the token loop, outputs and final
+# states. Measured worst on H200 at Qwen3.5 sizes, 64..700-token chunks, 3 seeds: outputs 1.5e-3 (fp32 inputs) /
+# 2.8e-3 (bf16 inputs), states 8e-4; the bound leaves ~3x headroom.
+GPU_REL_TOL = {torch.float32: 5e-3, torch.bfloat16: 1e-2}
+Row = tuple[int, int, int, int]  # (query_len, state_src, state_dst, state_write_start)
+
+
+def mixed_rows(rng: random.Random, long: tuple[int, int], short_max: int) -> list[Row]:
+    """A shuffled ragged batch: fresh / continuing / self-sourced long prefills, an inert long row, decodes,
+    1+d verifies, a short prefill chunk and an empty query; request i owns slots [i*GROUP, (i+1)*GROUP)."""
+    kinds = ["fresh", "continue", "own_src", "inert", "decode", "verify", "verify", "short", "empty", "fresh"]
+    rng.shuffle(kinds)
+    rows = []
+    for i, kind in enumerate(kinds):
+        base, n, short = i * GROUP, rng.randint(*long), rng.randint(2, short_max)
+        rows.append({
+            "fresh": (n, -1, base, n - 1),
+            "continue": (n, base + 2, base, n - 1),
+            "own_src": (n, base, base, n - 1),  # reads its source before overwriting it
+            "inert": (n, base + 1, -1, n - 1),
+            "decode": (1, base + 1, base, 0),
+            "verify": (1 + rng.randint(1, GROUP - 1), base + 3, base, 0),
+            "short": (short, base + 1, base, short - 1),  # a prefill chunk too short for the chunk kernel
+            "empty": (0, base + 1, base, -1),
+        }[kind])  # fmt: skip
+    return rows
+
+
+def batch(rows: list[Row], hk: int, hv: int, dk: int, dv: int, dtype: torch.dtype, seed: int) -> dict:
+    gen = torch.Generator().manual_seed(seed)
+    num_tokens = sum(r[0] for r in rows) + NUM_PAD_TOKENS
+
+    cdt = compute_dtype(dtype)  # g, beta and states, as the layer passes them
+
+    def randn(*shape: int, dt: torch.dtype = dtype) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen).to(device=DEVICE, dtype=dt)
+
+    qsl = [0]
+    for n, *_ in rows:
+        qsl.append(qsl[-1] + n)
+    host = dict(query_start_loc=qsl, state_src=[r[1] for r in rows], state_dst=[r[2] for r in rows],
+                state_write_start=[r[3] for r in rows])  # fmt: skip
+    g = -torch.nn.functional.softplus(randn(num_tokens, hv, dt=cdt) - 1.0)  # log decay, as the layer's
+    return dict(
+        q=randn(num_tokens, hk, dk), k=randn(num_tokens, hk, dk), v=randn(num_tokens, hv, dv), g=g,
+        beta=torch.sigmoid(randn(num_tokens, hv, dt=cdt)),
+        state=randn(len(rows) * GROUP, hv, dk, dv, dt=cdt) * 0.3, host=host,
+        meta={name: torch.tensor(x, dtype=torch.int64, device=DEVICE) for name, x in host.items()},
+    )  # fmt: skip
+
+
+def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return ((actual.double() - expected.double()).norm() / expected.double().norm().clamp_min(1e-30)).item()
+
+
+def check_against_reference(b: dict, min_chunk_len: int, tol: float) -> dict[str, float]:
+    """Run gdn_chunked, gdn_recurrent and gdn_recurrent_ref on copies of one batch. Chunked requests' outputs
+    and final states must be within ``tol`` (0: bitwise) of the reference; every other output row and slot
+    must be exactly gdn_recurrent's. Returns the worst relative errors."""
+    tensors, meta, host = [b[n] for n in ("q", "k", "v", "g", "beta")], b["meta"], b["host"]
+    states = [b["state"].clone() for _ in range(3)]
+    kwargs = {f"{name}_cpu": x for name, x in host.items()}
+    out = gdn_chunked(*tensors, states[0], **meta, **kwargs, min_chunk_len=min_chunk_len)
+    plain = gdn_recurrent(*tensors, states[1], **meta)
+    expected = gdn_recurrent_ref(*tensors, states[2], **meta)
+    qsl, split = host["query_start_loc"], split_requests(host["query_start_loc"], host["state_dst"],
+                                                         host["state_write_start"], min_chunk_len)  # fmt: skip
+    chunk_rows = torch.zeros(out.shape[0], dtype=torch.bool, device=DEVICE)
+    errors = {"out": 0.0, "state": 0.0}
+    for r in split.chunked:
+        chunk_rows[qsl[r] : qsl[r + 1]] = True
+        errors["out"] = max(errors["out"], rel_err(out[qsl[r] : qsl[r + 1]], expected[qsl[r] : qsl[r + 1]]))
+    chunk_slots = [host["state_dst"][r] for r in split.chunked if host["state_dst"][r] >= 0]
+    for slot in chunk_slots:
+        errors["state"] = max(errors["state"], rel_err(states[0][slot], states[2][slot]))
+    other_slots = [s for s in range(states[0].shape[0]) if s not in chunk_slots]
+    assert torch.equal(out[~chunk_rows], plain[~chunk_rows]), "a token-loop request differs from gdn_recurrent"
+    assert torch.equal(states[0][other_slots], states[1][other_slots]), "a slot no chunked request owns changed"
+    if tol == 0:
+        assert torch.equal(out[chunk_rows], expected[chunk_rows])
+        assert torch.equal(states[0][chunk_slots], states[2][chunk_slots])
+    assert errors["out"] <= tol and errors["state"] <= tol, errors
+    return errors
+
+
+# ----------------------------------------------------------------------------------------------------- CPU
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU answer")
+def test_chunked_path_is_unavailable_without_cuda() -> None:
+    assert not is_available()
+
+
+def test_only_long_queries_keeping_just_their_final_state_go_to_the_chunk_kernel() -> None:
+    # (query_len, state_dst, state_write_start) -> chunk kernel?
+    cases = [
+        ((1, 0, 0), False),  # decode
+        ((4, 4, 0), False),  # 1+3 verify keeps a state per position
+        ((64, 8, 63), True),  # prefill chunk exactly at the threshold
+        ((63, 12, 62), False),  # one token short
+        ((700, -1, 699), True),  # inert row: no state kept at all
+        ((100, 16, 0), False),  # long, but keeps every position's state
+        ((100, 20, 98), False),  # keeps its last two states
+        ((100, 24, 100), True),  # keeps nothing (write start past the end)
+        ((0, 28, -1), None),  # empty query: runs nowhere
+    ]
+    qsl = [0]
+    for (n, _, _), _ in cases:
+        qsl.append(qsl[-1] + n)
+    split = split_requests(qsl, [c[0][1] for c in cases], [c[0][2] for c in cases], min_chunk_len=64)
+    assert split.chunked == [i for i, (_, want) in enumerate(cases) if want is True]
+    assert split.recurrent == [i for i, (_, want) in enumerate(cases) if want is False]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_gdn_chunked_is_exactly_gdn_recurrent_where_the_chunk_kernel_cannot_run(dtype: torch.dtype) -> None:
+    """Without CUDA or fla, and for float64 states (fla keeps fp32 state), nothing changes: same bits."""
+    if dtype == torch.float32 and is_available():
+        pytest.skip("fla runs fp32 states here: see the GPU tests")
+    rows = mixed_rows(random.Random(0), long=(8, 12), short_max=7)
+    b = batch(rows, hk=2, hv=4, dk=8, dv=12, dtype=dtype, seed=1)
+    tensors, states = [b[n] for n in ("q", "k", "v", "g", "beta")], [b["state"].clone(), b["state"].clone()]
+    out = gdn_chunked(*tensors, states[0], **b["meta"], min_chunk_len=8)
+    plain = gdn_recurrent(*tensors, states[1], **b["meta"])
+    assert torch.equal(out, plain) and torch.equal(states[0], states[1])
+
+
+def reference_chunk_kernel(q, k, v, g, beta, *, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+                           cu_seqlens, cu_seqlens_cpu):  # fmt: skip
+    """fla's varlen chunk_gated_delta_rule contract ([1, T, H, K] inputs, initial_state [N, HV, K, V] -> o,
+    final_state), computed by gdn_recurrent_ref: scratch slots 0..N-1 hold the initial, N..2N-1 the final states."""
+    assert q.shape[0] == 1 and cu_seqlens.tolist() == cu_seqlens_cpu.tolist() and output_final_state
+    n = len(cu_seqlens_cpu) - 1
+    assert initial_state.shape[0] == n and q.dtype == v.dtype == initial_state.dtype == torch.float32
+    states = torch.cat([initial_state, torch.zeros_like(initial_state)])
+    lens = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
+    slots = torch.arange(n, device=cu_seqlens.device)
+    meta = [cu_seqlens, slots, slots + n, torch.tensor(lens, device=cu_seqlens.device) - 1]
+    o = gdn_recurrent_ref(q[0], k[0], v[0], g[0], beta[0], states, *meta, scale, use_qk_l2norm_in_kernel)
+    return o[None], states[n:]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chunked_requests_read_sources_first_and_keep_only_final_states(
+    dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The host split, token gathers, sub-batch metadata and final-state scatter, with the chunk kernel replaced
+    by the reference: bitwise equal to gdn_recurrent_ref / gdn_recurrent (fp32 states)."""
+    monkeypatch.setattr(chunked_mod, "_chunk_kernel", lambda: reference_chunk_kernel)
+    for seed in range(3):
+        rows = mixed_rows(random.Random(seed), long=(8, 14), short_max=7)
+        check_against_reference(batch(rows, hk=2, hv=4, dk=8, dv=12, dtype=dtype, seed=seed), 8, tol=0)
+
+
+# ----------------------------------------------------------------------------------------------------- GPU
+needs_fla = pytest.mark.skipif(not is_available(), reason="needs CUDA and fla-core")
+
+
+@pytest.mark.gpu
+@needs_fla
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hk, hv", [(16, 16), (8, 16)])  # Qwen3.5-0.8B; grouped values (GVA)
+def test_gpu_chunked_prefill_matches_token_loop(dtype: torch.dtype, hk: int, hv: int) -> None:
+    worst = {"out": 0.0, "state": 0.0}
+    for seed in range(3):
+        rows = mixed_rows(random.Random(seed), long=(64, 700), short_max=63)
+        b = batch(rows, hk=hk, hv=hv, dk=128, dv=128, dtype=dtype, seed=seed)
+        errors = check_against_reference(b, min_chunk_len=64, tol=GPU_REL_TOL[dtype])
+        worst = {n: max(worst[n], errors[n]) for n in worst}
+    print(f"\ngdn_chunked vs gdn_recurrent_ref {dtype} hk={hk} hv={hv}: worst relative error {worst}")
+
+
+@pytest.mark.gpu
+@needs_fla
+def test_gpu_chunked_prefill_without_fused_l2norm() -> None:
+    rows = mixed_rows(random.Random(5), long=(64, 300), short_max=63)
+    b = batch(rows, hk=4, hv=4, dk=64, dv=96, dtype=torch.float32, seed=5)
+    b["q"], b["k"] = (torch.nn.functional.normalize(b[n], dim=-1) for n in ("q", "k"))  # keep the rule stable
+    tensors, state = [b[n] for n in ("q", "k", "v", "g", "beta")], b["state"].clone()
+    out = gdn_chunked(*tensors, b["state"], **b["meta"], use_qk_l2norm=False, min_chunk_len=64)
+    expected = gdn_recurrent_ref(*tensors, state, **b["meta"], use_qk_l2norm=False)
+    assert rel_err(out, expected) < GPU_REL_TOL[torch.float32] and rel_err(b["state"], state) < 1e-2
