@@ -2,7 +2,7 @@
 constant tensors, so what is timed is scheduling, building the step's inputs, sampling bookkeeping and
 postprocessing, the part of a step a CUDA graph replay does not remove. Runs on CPU.
 
-    python3 benchmarks/host_overhead.py --model DIR [--batch-sizes 1 8 32] [--steps 300] [--profile]
+    python3 benchmarks/host_overhead.py --model DIR [--batch-sizes 1 8 32] [--steps 300] [--prompt-len 64] [--profile]
 
 DIR: any model directory (e.g. ``benchmarks/qwen35_shape.py --tiny``); only its tokenizer and sizes matter.
 """
@@ -19,12 +19,12 @@ from truespec import LLM, SamplingParams
 from truespec.engine.graph_runner import GraphRunner
 
 
-def host_ms_per_step(model: str, batch_size: int, steps: int, profile: bool) -> float:
+def host_ms_per_step(model: str, batch_size: int, steps: int, profile: bool, prompt_len: int = 64) -> float:
     llm = LLM(model, dtype="float32", max_model_len=4096, max_num_seqs=batch_size)
     engine = llm.llm_engine
     gen = torch.Generator().manual_seed(0)
     for _ in range(batch_size):
-        ids = torch.randint(10, 2000, (64,), generator=gen).tolist()
+        ids = torch.randint(10, 2000, (prompt_len,), generator=gen).tolist()
         params = SamplingParams(temperature=0, max_tokens=steps + 64, ignore_eos=True)
         engine.add_request({"prompt_token_ids": ids}, params)
     while any(s.num_computed_tokens < s.prompt_len for s in engine.seqs.values()):
@@ -56,10 +56,12 @@ def main() -> None:
     parser.add_argument("--model", required=True)
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--profile", action="store_true", help="also print a cProfile of each batch size")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    rows = [(bs, host_ms_per_step(args.model, bs, args.steps, args.profile)) for bs in args.batch_sizes]
+    rows = [(bs, host_ms_per_step(args.model, bs, args.steps, args.profile, args.prompt_len))
+            for bs in args.batch_sizes]
     print("| BS | host ms per decode step | us per request |\n|---:|---:|---:|")
     for bs, ms in rows:
         print(f"| {bs} | {ms:.3f} | {ms * 1e3 / bs:.1f} |")

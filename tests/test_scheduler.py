@@ -99,3 +99,11 @@ def test_a_verify_that_waited_goes_first_next_step() -> None:
     first = run_step(sched)
     second = run_step(sched)
     assert first[0] == ("a", 1) and second[0][0] in ("b", "c")  # the waiting ones are served first
+
+
+def test_token_slice_equals_slicing_the_whole_token_list() -> None:
+    s = seq("a", 5)
+    s.output_token_ids += [50, 51, 52]
+    for start in range(0, 10):
+        for end in range(start, 11):
+            assert s.token_slice(start, end) == s.token_ids[start:end]

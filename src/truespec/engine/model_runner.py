@@ -77,6 +77,8 @@ class ModelRunner:
             if n and s.seq.params.logprobs is not None:  # of the raw logits (before min_tokens bans), as vLLM
                 raw[row] = torch.log_softmax(logits[row:row + n], dim=-1)
             row += n
+            if len(s.seq.output_token_ids) >= s.seq.params.min_tokens:
+                continue  # min_tokens reached: nothing is banned
             for i in range(n):  # min_tokens: position i would be output token len(output) + i
                 banned = stop_checker.banned_token_ids(s.seq, offset=i)
                 if banned:
@@ -89,12 +91,12 @@ class ModelRunner:
                 out.tokens.append([])
                 out.logprobs.append(None)
                 continue
-            rows_logits = logits[start:start + n]
             if seq.params.is_greedy:
                 tokens = greedy_verify(s.draft_token_ids, argmax[start:start + n])
             else:
                 probs = None if seq.draft_probs is None else seq.draft_probs[:n - 1]
-                tokens = rejection_sample(rows_logits, s.draft_token_ids, probs, seq.params, self._generator(seq))
+                tokens = rejection_sample(logits[start:start + n], s.draft_token_ids, probs, seq.params,
+                                          self._generator(seq))
             out.tokens.append(tokens)
             if seq.params.logprobs is None:
                 out.logprobs.append(None)
@@ -109,7 +111,7 @@ class ModelRunner:
         rows = []
         for s in scheduled:
             seq, start = s.seq, s.seq.num_computed_tokens
-            input_ids += seq.token_ids[start:start + s.num_new_tokens] + s.draft_token_ids
+            input_ids += seq.token_slice(start, start + s.num_new_tokens) + s.draft_token_ids
             positions += range(start, start + s.query_len)
             # keep the state after the last sequence token and after every draft (invariant 2)
             rows.append(ContextRow(seq.block_ids, start, s.query_len, states.current_slot(seq), states.first_slot(seq),

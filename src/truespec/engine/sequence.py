@@ -48,6 +48,15 @@ class Sequence:
     def token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """``token_ids[start:end]`` without building the whole list first (a decode step reads one token)."""
+        prompt_len = len(self.prompt_token_ids)
+        if start >= prompt_len:
+            return self.output_token_ids[start - prompt_len:end - prompt_len]
+        if end <= prompt_len:
+            return self.prompt_token_ids[start:end]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:end - prompt_len]
+
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)

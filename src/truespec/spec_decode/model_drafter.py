@@ -86,14 +86,14 @@ class ModelDrafter:
             step_start = s.start
             if start != step_start:  # the head is behind only after a preemption restarted the target too
                 raise RuntimeError(f"{seq.request_id}: drafter at {start}, target step began at {step_start}")
-            ids = seq.token_ids[start + 1:end + 1]
+            ids = seq.token_slice(start + 1, end + 1)
             rows = list(range(step.query_start_loc[r], step.query_start_loc[r] + end - start))
             hidden = step.hidden[rows] if rows else None
         else:
             if budget.get(id(seq), 0) == 0:
                 return None  # a draft model catches up only when it drafts (KV blocks are held for that)
             end = seq.num_tokens
-            ids, hidden = seq.token_ids[start:end], None
+            ids, hidden = seq.token_slice(start, end), None
         if end <= start:
             return None
         return _Job(seq, start, ids, hidden)
