@@ -45,13 +45,24 @@ def packed_size(num_tokens: int, num_reqs: int, width: int) -> int:
     return sum(_layout(num_tokens, num_reqs, width))
 
 
+def split_packed(buf: torch.Tensor, num_tokens: int, num_reqs: int, width: int) -> list[torch.Tensor]:
+    """Views of a packed step's segments (``_layout`` order), the block tables as [num_reqs, width]. A graph's
+    static buffer is split once per capture size and the views reused by every step (``build_step(views=)``)."""
+    cuts = _layout(num_tokens, num_reqs, width)
+    views = list(torch.split(buf[:sum(cuts)], cuts))
+    views[9] = views[9].view(num_reqs, width)
+    return views
+
+
 def build_step(rows: list[ContextRow], input_ids: list[int], positions: list[int], block_size: int,
                device: torch.device, pad_to: int | None = None, width: int | None = None,
-               out: torch.Tensor | None = None, staging: torch.Tensor | None = None) -> StepInputs:
+               out: torch.Tensor | None = None, staging: torch.Tensor | None = None,
+               views: list[torch.Tensor] | None = None) -> StepInputs:
     """The step's device tensors. ``pad_to``: the token count (and request count) to pad to; ``width``: block
     table columns (default: the longest row's); ``out``: a device buffer to write into (a graph's static inputs,
     at least ``packed_size`` long; of its block table only the real rows' used columns are written);
-    ``staging``: a pinned host buffer of the same length for the copy."""
+    ``staging``: a pinned host buffer of the same length for the copy; ``views``: ``split_packed(out, pad_to,
+    pad_to, width)``, if the caller keeps it (saves re-splitting the static buffer every step)."""
     num_tokens, num_reqs = len(input_ids), len(rows)
     size_t = num_tokens if pad_to is None else pad_to
     size_r = num_reqs if pad_to is None else pad_to
@@ -67,39 +78,38 @@ def build_step(rows: list[ContextRow], input_ids: list[int], positions: list[int
         logits_indices += range(query_start_loc[-1] - row.num_logits, query_start_loc[-1])
     t, r = size_t, size_r
     cuts = _layout(t, r, width)
-    offsets = np.cumsum([0] + cuts)
-    meta_len = int(offsets[9])
+    meta_len = sum(cuts[:9])
     used = max((len(row.block_ids) for row in rows), default=0)  # block-table columns real rows use
     if used > width:
         raise ValueError(f"a request holds {used} KV blocks, more than the {width} a step allows")
     full = out is None  # a fresh buffer gets the whole table; a graph's static one only the cells in use
-    values = np.empty(meta_len + (r * width if full else num_reqs * used), dtype=np.int64)
     segments = (input_ids, positions, slot_mapping, logits_indices, query_start_loc, seq_lens,
                 [row.state_src for row in rows], [row.state_dst for row in rows], [row.write_start for row in rows])
     pads = (0, 0, -1, 0, num_tokens, 0, -1, -1, 0)  # inert padding, see the module docstring
-    for i, (seg, pad) in enumerate(zip(segments, pads, strict=True)):
-        values[offsets[i]:offsets[i] + len(seg)] = seg
-        values[offsets[i] + len(seg):offsets[i + 1]] = pad
-    tables = values[meta_len:].reshape(r if full else num_reqs, width if full else used)
-    tables.fill(-1)
-    for i, row in enumerate(rows):
-        tables[i, :len(row.block_ids)] = row.block_ids
+    values: list[int] = []  # the packed step, built as one list and converted once (the host's hot path)
+    for seg, pad, length in zip(segments, pads, cuts, strict=False):
+        values += seg
+        values += [pad] * (length - len(seg))
+    columns = width if full else used
+    for row in rows:
+        values += row.block_ids
+        values += [-1] * (columns - len(row.block_ids))
     if full:
-        buf = torch.from_numpy(values).to(device)
+        values += [-1] * ((r - num_reqs) * width)
+        buf = torch.from_numpy(np.array(values, dtype=np.int64)).to(device)
     else:
         # Kernels read a row's table only below its seq_len (and padded rows not at all), so the cells past
         # the real rows and past the used columns may keep whatever an earlier step left there.
-        host = torch.from_numpy(values)
+        host = torch.from_numpy(np.array(values, dtype=np.int64))  # numpy converts a list ~3x faster than torch
         if staging is not None:
             host = staging[:len(values)].copy_(host)
-        buf = out[:int(offsets[-1])]
-        buf[:meta_len].copy_(host[:meta_len], non_blocking=staging is not None)
+        views = split_packed(out, t, r, width) if views is None else views
+        out[:meta_len].copy_(host[:meta_len], non_blocking=staging is not None)
         if num_reqs and used:
-            static_tables = buf[meta_len:].view(r, width)[:num_reqs, :used]
-            static_tables.copy_(host[meta_len:].view(num_reqs, used), non_blocking=staging is not None)
-    (ids, pos, slots, logits_idx, qsl, lens, src, dst, wstart, bt) = torch.split(buf, cuts)
+            views[9][:num_reqs, :used].copy_(host[meta_len:].view(num_reqs, used), non_blocking=staging is not None)
+    (ids, pos, slots, logits_idx, qsl, lens, src, dst, wstart, bt) = split_packed(buf, t, r, width) if full else views
     ctx = ForwardContext(
-        query_start_loc=qsl, seq_lens=lens, slot_mapping=slots, block_tables=bt.view(r, width),
+        query_start_loc=qsl, seq_lens=lens, slot_mapping=slots, block_tables=bt,
         state_src=src, state_dst=dst, state_write_start=wstart, logits_indices=logits_idx[:len(logits_indices)],
         query_start_loc_cpu=query_start_loc, seq_lens_cpu=seq_lens, state_cpu=tuple(segments[6:9]))
     return StepInputs(ids, pos, ctx)

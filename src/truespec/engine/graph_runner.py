@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from truespec.engine.context_builder import ContextRow, StepInputs, build_step, packed_size
+from truespec.engine.context_builder import ContextRow, StepInputs, build_step, packed_size, split_packed
 from truespec.forward_context import ForwardContext, set_forward_context
 from truespec.layers.backend import cudagraph_unsupported_reason
 
@@ -61,6 +61,7 @@ class GraphRunner:
         length = packed_size(top, top, self.width)
         self._meta = torch.zeros(length, dtype=torch.int64, device=device)
         self._staging = torch.zeros(length, dtype=torch.int64, pin_memory=True)
+        self._views = {size: split_packed(self._meta, size, size, self.width) for size in self.sizes}
         self._hidden = torch.zeros(top, hidden_size, dtype=hidden_dtype, device=device) if self.uses_hidden else None
         self._copy_done = torch.cuda.Event()
         eager = "steps with prefill chunks, and " if mode == "FULL_DECODE_ONLY" else ""
@@ -123,7 +124,7 @@ class GraphRunner:
     def _static_inputs(self, rows: list[ContextRow], input_ids: list[int], positions: list[int],
                        size: int) -> StepInputs:
         return build_step(rows, input_ids, positions, self.block_size, self.device, pad_to=size, width=self.width,
-                          out=self._meta, staging=self._staging)
+                          out=self._meta, staging=self._staging, views=self._views[size])
 
     def _call(self, inputs: StepInputs, size: int | None, hidden: torch.Tensor | None = None) -> torch.Tensor:
         if not self.uses_hidden:
