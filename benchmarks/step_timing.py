@@ -1,5 +1,6 @@
 """Where a graph-replayed decode step's wall time goes: the GPU (replaying the captured graph alone) vs the host
-(scheduling, packing inputs, logits, sampling, postprocessing), with a cProfile of the host side.
+(scheduling, packing inputs, logits, sampling, postprocessing), with a cProfile of the host side; the wall time
+with async scheduling off (host and device take turns) and on (the host prepares step N+1 while N runs).
 
     python3 benchmarks/step_timing.py --model DIR [--batch-sizes 1 32] [--input-len 512] [--steps 64]
 
@@ -32,12 +33,16 @@ def _decode_ready(llm: LLM, batch_size: int, input_len: int, max_tokens: int) ->
 
 def measure(llm: LLM, batch_size: int, input_len: int, steps: int) -> dict[str, float]:
     engine = llm.llm_engine
-    _decode_ready(llm, batch_size, input_len, 3 * steps + 8)
-    start = time.perf_counter()
-    for _ in range(steps):
+    _decode_ready(llm, batch_size, input_len, 4 * steps + 8)
+    wall = {}
+    for overlap in (False, True):
+        engine._async = overlap  # a benchmark-only switch of the engine's async_scheduling
         engine.step()
-    torch.cuda.synchronize()
-    wall = (time.perf_counter() - start) / steps
+        start = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+        wall[overlap] = (time.perf_counter() - start) / steps
     runner = engine.runner.graphs
     size = next(s for s in runner.sizes if s >= batch_size)
     graph, _ = runner.graphs[size]
@@ -57,7 +62,7 @@ def measure(llm: LLM, batch_size: int, input_len: int, steps: int) -> dict[str, 
     text = io.StringIO()
     pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(22)
     print(f"\n### BS={batch_size} host profile (tottime, {steps} steps)\n{text.getvalue()}")
-    return {"wall_ms": wall * 1e3, "replay_ms": replay * 1e3}
+    return {"sync_ms": wall[False] * 1e3, "async_ms": wall[True] * 1e3, "replay_ms": replay * 1e3}
 
 
 def main() -> None:
@@ -71,11 +76,13 @@ def main() -> None:
     llm = LLM(args.model, dtype=args.dtype, device="cuda", max_model_len=4096, max_num_seqs=max(args.batch_sizes))
     rows = [(bs, measure(llm, bs, args.input_len, args.steps)) for bs in args.batch_sizes]
     print(f"\n{torch.cuda.get_device_name()}, decode steps after a {args.input_len}-token prompt, CUDA graphs")
-    print("| BS | wall per step (ms) | graph replay alone (ms) | host not overlapped (ms) | output tok/s |")
-    print("|---:|---:|---:|---:|---:|")
+    print("| BS | graph replay alone (ms) | wall per step, sync (ms) | wall per step, async (ms) "
+          "| host not overlapped, sync / async (ms) | output tok/s, async |")
+    print("|---:|---:|---:|---:|---:|---:|")
     for bs, r in rows:
-        print(f"| {bs} | {r['wall_ms']:.3f} | {r['replay_ms']:.3f} | {r['wall_ms'] - r['replay_ms']:.3f} "
-              f"| {bs / r['wall_ms'] * 1e3:.0f} |")
+        print(f"| {bs} | {r['replay_ms']:.3f} | {r['sync_ms']:.3f} | {r['async_ms']:.3f} "
+              f"| {r['sync_ms'] - r['replay_ms']:.3f} / {r['async_ms'] - r['replay_ms']:.3f} "
+              f"| {bs / r['async_ms'] * 1e3:.0f} |")
 
 
 if __name__ == "__main__":

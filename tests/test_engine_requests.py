@@ -46,15 +46,15 @@ def test_error_inside_a_step_frees_everything_and_engine_recovers(llm: LLM, monk
     before = baseline(llm)
     runner = llm.llm_engine.runner
     calls = {"n": 0}
-    real_execute = runner.execute
+    real_launch = runner.launch
 
-    def failing_execute(*args: object, **kwargs: object) -> object:
+    def failing_launch(*args: object, **kwargs: object) -> object:
         calls["n"] += 1
         if calls["n"] == 3:
             raise RuntimeError("injected failure")
-        return real_execute(*args, **kwargs)
+        return real_launch(*args, **kwargs)
 
-    monkeypatch.setattr(runner, "execute", failing_execute)
+    monkeypatch.setattr(runner, "launch", failing_launch)
     with pytest.raises(RuntimeError, match="injected"):
         llm.generate(random_prompts([3, 50, 120]), GREEDY, use_tqdm=False)
     monkeypatch.undo()
@@ -178,13 +178,13 @@ def test_failure_after_the_forward_leaves_other_requests_exact(llm: LLM, monkeyp
     seqs = [engine.seqs[i] for i in ids]
     for _ in range(5):
         engine.step()
-    real_execute = runner.execute
+    real_collect = runner.collect
 
-    def execute_then_fail(*args: object, **kwargs: object) -> object:
-        real_execute(*args, **kwargs)  # the forward ran and wrote KV and state slots
+    def collect_then_fail(*args: object, **kwargs: object) -> object:
+        real_collect(*args, **kwargs)  # the forward ran and wrote KV and state slots
         raise RuntimeError("injected failure after the forward")
 
-    monkeypatch.setattr(runner, "execute", execute_then_fail)
+    monkeypatch.setattr(runner, "collect", collect_then_fail)
     with pytest.raises(RuntimeError, match="after the forward"):
         engine.step()
     monkeypatch.undo()

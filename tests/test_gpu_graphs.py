@@ -5,7 +5,9 @@ FULL_DECODE_ONLY) at several max_num_seqs (so steps of 1..40 requests, padded up
 speculation, ngram (some requests draft) and MTP (all draft), against the eager run without speculation. An
 output either equals the reference, or its first divergence falls where the reference's top-2 log-probability
 margin is < 1e-3 (a near tie that a different matmul shape may flip); the counts are printed for the closing
-note. The same on a Qwen3.5-0.8B-shaped model with random weights, and the bf16 divergence rate (reported only).
+note. The graph runs use async scheduling (CUDA's default; the reference asks for logprobs, so it never does),
+one per model without it. The same on a Qwen3.5-0.8B-shaped model with random weights, and the bf16 divergence
+rate (reported only).
 """
 
 import json
@@ -36,7 +38,7 @@ def run(model: str, prompts: list, dtype: str = "float32", logprobs: int | None 
     llm = LLM(model, dtype=dtype, device="cuda", max_model_len=1024, **kwargs)
     params = SamplingParams(temperature=0, max_tokens=256, logprobs=logprobs)
     outs = llm.generate(prompts, params, use_tqdm=False)
-    stats = dict(llm.llm_engine.runner.graphs.stats)
+    stats = dict(llm.llm_engine.runner.graphs.stats) | {"async": llm.llm_engine.num_async_steps}
     del llm
     torch.cuda.empty_cache()
     return outs, stats
@@ -68,6 +70,7 @@ def check_runs(model: str, prompts: list, cases: list[tuple[str, dict]]) -> None
         print(f"{Path(model).name} {name}: identical {same}/{len(prompts)}, first divergence at a near tie "
               f"(margin < {MARGIN}) {near_tie}, elsewhere {bad}; forwards {stats}")
         assert stats.get("graph", 0) > 0, name
+        assert (stats["async"] > 0) == kwargs.get("async_scheduling", True) or "speculative_config" in kwargs, name
         assert bad == 0, name
 
 
@@ -78,6 +81,7 @@ def test_graphs_change_no_output_on_the_embedded_model() -> None:
     check_runs(str(DEFAULT_MODEL_DIR), prompts, [
         ("FULL bs<=40", {**full, "max_num_seqs": 40}),
         ("FULL bs<=13", {**full, "max_num_seqs": 13}),
+        ("FULL bs<=40 no async scheduling", {**full, "max_num_seqs": 40, "async_scheduling": False}),
         ("FULL_DECODE_ONLY bs<=40", {"compilation_config": {"cudagraph_mode": "FULL_DECODE_ONLY"},
                                      "max_num_seqs": 40}),
         ("FULL ngram k=8 bs<=40", {**full, "max_num_seqs": 40, "speculative_config": NGRAM}),
@@ -116,6 +120,7 @@ def test_graphs_change_no_output_on_a_qwen35_08b_shaped_model(tmp_path: Path) ->
                for n in torch.randint(4, 300, (32,), generator=gen)]
     full = {"compilation_config": {"cudagraph_mode": "FULL"}}
     check_runs(model, prompts, [("FULL bs<=32", {**full, "max_num_seqs": 32}),
+                                ("FULL bs<=32 no async", {**full, "max_num_seqs": 32, "async_scheduling": False}),
                                 ("FULL bs<=11", {**full, "max_num_seqs": 11}),
                                 ("FULL ngram k=8", {**full, "max_num_seqs": 32, "speculative_config": NGRAM})])
 

@@ -23,11 +23,16 @@ class EngineConfig:
     speculative_config: "SpeculativeConfig | dict | None" = None
     enforce_eager: bool = False  # vLLM: never use CUDA graphs (same as cudagraph_mode NONE)
     compilation_config: "CompilationConfig | dict | None" = None
+    # vLLM's async scheduling: prepare step N+1 on the host while step N runs on the device (greedy decode
+    # steps without speculation; engine/llm_engine.py). None: on for CUDA devices, off on CPU.
+    async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "speculative_config", SpeculativeConfig.from_dict(self.speculative_config))
         object.__setattr__(self, "compilation_config", CompilationConfig.from_dict(self.compilation_config))
         _check(isinstance(self.enforce_eager, bool), "enforce_eager", f"must be a bool, got {self.enforce_eager!r}")
+        _check(self.async_scheduling is None or isinstance(self.async_scheduling, bool), "async_scheduling",
+               f"must be a bool or None, got {self.async_scheduling!r}")
         _check(isinstance(self.model, str) and self.model != "", "model", "must be a directory path")
         _check(self.dtype in DTYPES, "dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
         _check(self.device in DEVICES or str(self.device).startswith("cuda:"), "device",

@@ -97,12 +97,18 @@ class GraphRunner:
 
     # ---- one forward ---------------------------------------------------------------------------
     def run(self, rows: list[ContextRow], input_ids: list[int], positions: list[int],
-            hidden: torch.Tensor | None = None, decode_only: bool = False) -> tuple[torch.Tensor, ForwardContext]:
-        """The model's final hidden states [T, H] for the step's T tokens (a fresh tensor), and its context."""
-        size = self._graph_size(len(input_ids), decode_only)
+            hidden: torch.Tensor | None = None, decode_only: bool = False,
+            input_ids_from: torch.Tensor | None = None) -> tuple[torch.Tensor, ForwardContext]:
+        """The model's final hidden states [T, H] for the step's T tokens (a fresh tensor), and its context.
+        ``input_ids_from``: a device tensor whose first T values are the input ids (copied on the device, in
+        stream order, over the host's ``input_ids``)."""
+        num_tokens = len(input_ids)
+        size = self._graph_size(num_tokens, decode_only)
         if size is None:
             self.stats["eager"] += 1
             inputs = build_step(rows, input_ids, positions, self.block_size, self.device)
+            if input_ids_from is not None:
+                inputs.input_ids[:num_tokens].copy_(input_ids_from[:num_tokens])
             with set_forward_context(inputs.ctx):
                 return self._call(inputs, None, hidden), inputs.ctx
         self.stats["graph"] += 1
@@ -110,11 +116,13 @@ class GraphRunner:
             self._copy_done.synchronize()  # the previous step's copy has left the staging buffer
             inputs = self._static_inputs(rows, input_ids, positions, size)
             self._copy_done.record()
+            if input_ids_from is not None:
+                inputs.input_ids[:num_tokens].copy_(input_ids_from[:num_tokens])
             if hidden is not None:
                 self._hidden[:len(input_ids)].copy_(hidden)
             graph, out = self.graphs[size]
             graph.replay()
-            return out[:len(input_ids)].clone(), inputs.ctx
+            return out[:num_tokens].clone(), inputs.ctx
 
     def _graph_size(self, num_tokens: int, decode_only: bool) -> int | None:
         if not self.graphs or (self.mode == "FULL_DECODE_ONLY" and not decode_only):

@@ -8,9 +8,9 @@ from truespec.config import EngineConfig
 from truespec.engine.block_manager import BlockManager
 from truespec.engine.cache_sizing import resolve_max_model_len, size_kv_pool
 from truespec.engine.graph_runner import GraphSettings
-from truespec.engine.model_runner import ModelRunner
+from truespec.engine.model_runner import LaunchedStep, ModelRunner
 from truespec.engine.scheduler import ScheduledSeq, Scheduler
-from truespec.engine.sequence import Sequence
+from truespec.engine.sequence import PLACEHOLDER, Sequence
 from truespec.engine.state_manager import StateManager
 from truespec.engine.stop_checker import StopChecker
 from truespec.models.loader import load_model
@@ -51,6 +51,9 @@ class LLMEngine:
         self.spec_metrics = SpecDecodeMetrics(k)
         self.seqs: dict[str, Sequence] = {}
         self._ids = itertools.count()
+        self._async = config.async_scheduling if config.async_scheduling is not None else self.device.type == "cuda"
+        self._inflight: LaunchedStep | None = None  # a step queued by async scheduling, collected next
+        self.num_async_steps = 0  # steps queued before the previous one's tokens were read
 
     # ---- requests ------------------------------------------------------------------------------
     def make_sequence(self, prompt: PromptType, params: SamplingParams) -> Sequence:
@@ -89,6 +92,8 @@ class LLMEngine:
         if seq is not None and not seq.is_finished:
             self.scheduler.finish(seq, "abort")
             self.runner.release(request_id)
+        if self._inflight is not None and all(s.seq.is_finished for s in self._inflight.scheduled):
+            self._inflight = None  # nothing left to read from the queued step
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -96,32 +101,94 @@ class LLMEngine:
     # ---- the step loop ---------------------------------------------------------------------------
     def step(self) -> list[Sequence]:
         """Schedule -> run (verify drafts) -> postprocess -> propose drafts for the next step.
-        Returns the requests that finished in this step."""
-        out = self.scheduler.schedule()
-        if not out.scheduled:
-            return []
+        Returns the requests that finished in this step.
+
+        With async scheduling, a step whose requests all decode greedily on without drafts queues the next
+        step before reading its own tokens (``_launch_next``); the next call collects that one."""
+        launched, self._inflight = self._inflight, None
+        if launched is None:
+            out = self.scheduler.schedule()
+            if not out.scheduled:
+                return []
+        scheduled = launched.scheduled if launched is not None else out.scheduled
         try:
-            step = self.runner.execute(out.scheduled, self.block_manager, self.state_manager, self.stop_checker)
-            finished = [s.seq for s, tokens, logprobs in zip(out.scheduled, step.tokens, step.logprobs, strict=True)
-                        if self._postprocess(s, tokens, logprobs)]
+            if launched is None:
+                launched = self.runner.launch(scheduled, self.state_manager, self.stop_checker)
+            provisional = self._launch_next(launched)
+            step = self.runner.collect(launched)
+            finished = [s.seq for s, tokens, logprobs in zip(launched.scheduled, step.tokens, step.logprobs,
+                                                             strict=True)
+                        if not s.seq.is_finished and self._postprocess(s, tokens, logprobs, provisional)]
             if self.proposer is not None:  # requests that got a new token decode next: draft for them
-                self.proposer.propose(out.scheduled, step)
+                self.proposer.propose(launched.scheduled, step)
         except BaseException:
             # The forward may have overwritten state slots (and drafter caches) that postprocess never
-            # accounted for: every request of the step restarts from its tokens, so none runs on from a
-            # half-written state. Their output is unchanged; the error goes to the caller.
-            for s in out.scheduled:
+            # accounted for: every request of the step (and of a step queued after it) restarts from its
+            # tokens, so none runs on from a half-written state. Their output is unchanged; the error goes to
+            # the caller.
+            queued = [] if self._inflight is None else self._inflight.scheduled
+            self._inflight = None
+            for s in [*scheduled, *queued]:
+                if s.seq.output_token_ids and s.seq.output_token_ids[-1] == PLACEHOLDER:
+                    s.seq.output_token_ids.pop()  # a token the step never delivered
                 if not s.seq.is_finished and s.seq in self.scheduler.running:
                     self.scheduler.preempt(s.seq)
             raise
+        if self._inflight is not None and all(s.seq.is_finished for s in self._inflight.scheduled):
+            self._inflight = None  # every request of the queued step stopped: nothing reads its tokens
         return finished
 
-    def _postprocess(self, s: ScheduledSeq, tokens: list[int], logprobs: list[dict[int, float]] | None) -> bool:
-        """Advance the request past what was verified; append its new tokens. True if it finished."""
+    def _launch_next(self, launched: LaunchedStep) -> bool:
+        """Async scheduling: if every request of ``launched`` goes on to a greedy one-token decode, advance
+        them past ``launched`` with a placeholder token, schedule and queue the next step, its input ids
+        copied on the device from ``launched``'s argmax. True if it did.
+
+        Only what no token value changes is done ahead: positions, KV blocks, state slots. A request that
+        stops at ``launched`` (EOS, stop token or string) has its queued token discarded; the KV and state
+        that token wrote went to blocks and slots it held, and anything that reuses them later is queued
+        after it on the same stream. Each request's rows are computed as without the overlap (invariant 1),
+        so outputs are unchanged (tests/test_async_scheduling.py)."""
+        if not self._async or self.proposer is not None or self.scheduler.waiting:
+            return False
+        seqs = [s.seq for s in launched.scheduled]
+        if seqs != self.scheduler.running or len(seqs) > self.config.max_num_batched_tokens:
+            return False
+        blocks = 0
+        for s in launched.scheduled:
+            p = s.seq.params
+            if (not s.is_last_chunk or s.draft_token_ids or not p.is_greedy or p.logprobs is not None
+                    or len(s.seq.output_token_ids) + 2 > s.seq.max_output_len):
+                return False
+            blocks += self.block_manager.num_blocks_needed(s.seq, s.num_new_tokens + 1)
+        if blocks > self.block_manager.num_free_blocks:
+            return False
+        for s in launched.scheduled:
+            self._advance(s, num_accepted=0)
+            s.seq.output_token_ids.append(PLACEHOLDER)
+        out = self.scheduler.schedule()
+        if [s.seq for s in out.scheduled] != seqs or out.preempted or any(s.query_len != 1 for s in out.scheduled):
+            raise RuntimeError(f"async scheduling: the next step is not the decode of {seqs} it was planned as")
+        self._inflight = self.runner.launch(out.scheduled, self.state_manager, self.stop_checker,
+                                            input_ids_from=launched.argmax)
+        self.num_async_steps += 1
+        return True
+
+    def _advance(self, s: ScheduledSeq, num_accepted: int) -> None:
+        """Move the request past its computed tokens and ``num_accepted`` verified drafts."""
         seq = s.seq
-        num_accepted = max(len(tokens) - 1, 0)
         seq.num_computed_tokens += s.num_new_tokens + num_accepted
         seq.state_index = num_accepted  # the slot holding the state after the last accepted token
+
+    def _postprocess(self, s: ScheduledSeq, tokens: list[int], logprobs: list[dict[int, float]] | None,
+                     provisional: bool = False) -> bool:
+        """Advance the request past what was verified; append its new tokens. True if it finished.
+        ``provisional``: ``_launch_next`` already advanced it and appended a placeholder for its one token."""
+        seq = s.seq
+        num_accepted = max(len(tokens) - 1, 0)
+        if provisional:
+            seq.output_token_ids.pop()
+        else:
+            self._advance(s, num_accepted)
         if tokens:  # the last chunk ran: its drafts are used up
             seq.draft_token_ids, seq.draft_probs = [], None
             self.spec_metrics.observe(len(s.draft_token_ids), num_accepted)

@@ -26,6 +26,20 @@ class StepOutput:
     query_start_loc: list[int] = field(default_factory=list)  # request r's rows in ``hidden``
 
 
+@dataclass
+class LaunchedStep:
+    """A step queued on the device (``ModelRunner.launch``) whose tokens ``ModelRunner.collect`` reads."""
+
+    scheduled: list[ScheduledSeq]
+    logits: torch.Tensor  # [rows, vocab] float, min_tokens bans applied
+    output: StepOutput
+    spans: list[tuple[int, int]] = field(default_factory=list)  # per request: (first logits row, rows)
+    raw: dict[int, torch.Tensor] = field(default_factory=dict)  # log-softmax rows of logprobs requests
+    argmax: torch.Tensor | None = None  # [rows] on the device: the greedy tokens
+    argmax_host: torch.Tensor | None = None  # its copy on the host (pinned; valid once ``done``)
+    done: "torch.cuda.Event | None" = None
+
+
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, device: torch.device, dtype: torch.dtype, seed: int) -> None:
         self.model = model
@@ -60,32 +74,55 @@ class ModelRunner:
         self.graphs.capture()
 
     # ---- one step --------------------------------------------------------------------------
-    @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledSeq], blocks: BlockManager, states: StateManager,
                 stop_checker: StopChecker) -> StepOutput:
         """Run one step: the target scores every request's tokens (and drafts); sample / verify."""
+        return self.collect(self.launch(scheduled, states, stop_checker))
+
+    @torch.inference_mode()
+    def launch(self, scheduled: list[ScheduledSeq], states: StateManager, stop_checker: StopChecker,
+               input_ids_from: torch.Tensor | None = None) -> "LaunchedStep":
+        """Queue a step's forward, logits and greedy argmax on the device, without waiting for them.
+
+        ``input_ids_from``: a device tensor whose first T values replace the step's T input ids (async
+        scheduling: the previous step's argmax, still being computed, feeds this step's decodes)."""
         rows, input_ids, positions = self.prepare(scheduled, states)
         decode_only = all(s.num_new_tokens == 1 for s in scheduled)
-        hidden, ctx = self.graphs.run(rows, input_ids, positions, decode_only=decode_only)
+        hidden, ctx = self.graphs.run(rows, input_ids, positions, decode_only=decode_only,
+                                      input_ids_from=input_ids_from)
         logits = self.model.compute_logits(hidden[ctx.logits_indices])
         logits = logits if logits.dtype == torch.float64 else logits.float()
-        out = StepOutput(hidden=hidden, query_start_loc=ctx.query_start_loc_cpu)
-        row, spans, raw = 0, [], {}
+        step = LaunchedStep(scheduled, logits, StepOutput(hidden=hidden, query_start_loc=ctx.query_start_loc_cpu))
+        row = 0
         for s in scheduled:  # rows [row, row + 1 + drafts) of the requests whose last chunk ran
             n = 1 + len(s.draft_token_ids) if s.is_last_chunk else 0
-            spans.append((row, n))
+            step.spans.append((row, n))
             if n and s.seq.params.logprobs is not None:  # of the raw logits (before min_tokens bans), as vLLM
-                raw[row] = torch.log_softmax(logits[row:row + n], dim=-1)
+                step.raw[row] = torch.log_softmax(logits[row:row + n], dim=-1)
+            if len(s.seq.output_token_ids) < s.seq.params.min_tokens:
+                for i in range(n):  # min_tokens: position i would be output token len(output) + i
+                    banned = stop_checker.banned_token_ids(s.seq, offset=i)
+                    if banned:
+                        logits[row + i, banned] = float("-inf")
             row += n
-            if len(s.seq.output_token_ids) >= s.seq.params.min_tokens:
-                continue  # min_tokens reached: nothing is banned
-            for i in range(n):  # min_tokens: position i would be output token len(output) + i
-                banned = stop_checker.banned_token_ids(s.seq, offset=i)
-                if banned:
-                    logits[spans[-1][0] + i, banned] = float("-inf")
-        # greedy requests: one argmax over the batch and one copy to the host (no per-request sync)
-        argmax = logits.argmax(dim=-1).tolist() if any(s.seq.params.is_greedy for s in scheduled) else []
-        for s, (start, n) in zip(scheduled, spans, strict=True):
+        if any(s.seq.params.is_greedy for s in scheduled):
+            # one argmax over the batch, copied to the host behind an event: no per-request sync, and the
+            # host may queue the next step before this one ends
+            step.argmax = logits.argmax(dim=-1)
+            step.argmax_host = step.argmax.to("cpu", non_blocking=True)
+            if self.device.type == "cuda":
+                step.done = torch.cuda.Event()
+                step.done.record()
+        return step
+
+    @torch.inference_mode()
+    def collect(self, step: "LaunchedStep") -> StepOutput:
+        """Wait for a launched step; per request, its accepted drafts and new token (greedy or sampled)."""
+        if step.done is not None:
+            step.done.synchronize()
+        argmax = step.argmax_host.tolist() if step.argmax_host is not None else []
+        out, logits = step.output, step.logits
+        for s, (start, n) in zip(step.scheduled, step.spans, strict=True):
             seq = s.seq
             if n == 0:
                 out.tokens.append([])
@@ -101,7 +138,7 @@ class ModelRunner:
             if seq.params.logprobs is None:
                 out.logprobs.append(None)
             else:
-                out.logprobs.append(_top_logprobs(raw[start], tokens, seq.params.logprobs))
+                out.logprobs.append(_top_logprobs(step.raw[start], tokens, seq.params.logprobs))
         return out
 
     def prepare(self, scheduled: list[ScheduledSeq],

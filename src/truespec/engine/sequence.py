@@ -6,6 +6,9 @@ import torch
 
 from truespec.sampling_params import SamplingParams
 
+# An output token not yet known on the host (async scheduling): the device holds it, the engine fills it in
+PLACEHOLDER = -1
+
 
 class SequenceStatus(Enum):
     WAITING = auto()

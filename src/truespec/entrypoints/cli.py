@@ -67,6 +67,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                        help="prepare the next decode step while the device runs this one (default: on for CUDA)")
     parser.add_argument("--compilation-config", type=json_object, default=None,
                         help='CUDA graphs, as JSON: \'{"cudagraph_mode": "FULL_DECODE_ONLY"}\'')
     for knob in KNOBS:  # unset: the engine's default (and verify's baseline)
@@ -78,7 +80,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
     kwargs = dict(model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
                   max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                   block_size=args.block_size, enforce_eager=args.enforce_eager,
-                  compilation_config=args.compilation_config)
+                  compilation_config=args.compilation_config, async_scheduling=args.async_scheduling)
     kwargs.update({k.name: getattr(args, k.name) for k in KNOBS if getattr(args, k.name) is not None})
     return kwargs
 

@@ -55,8 +55,8 @@ def _stale_state(llm: LLM) -> None:
     engine = llm.llm_engine
     postprocess = engine._postprocess
 
-    def stale(s: object, tokens: list[int], logprobs: object) -> bool:
-        finished = postprocess(s, tokens, logprobs)
+    def stale(s: object, tokens: list[int], logprobs: object, *rest: object) -> bool:
+        finished = postprocess(s, tokens, logprobs, *rest)
         s.seq.state_index = 0
         return finished
 
