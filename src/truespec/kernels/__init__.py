@@ -13,6 +13,7 @@ from truespec.kernels.paged_attention import paged_attention, paged_attention_re
 from truespec.kernels.qk_norm_rope import qk_norm_rope, qk_norm_rope_ref
 from truespec.kernels.reshape_and_cache import reshape_and_cache, reshape_and_cache_ref
 from truespec.kernels.rms_norm import rms_norm, rms_norm_ref
+from truespec.kernels.skinny_matmul import skinny_matmul, skinny_matmul_ref
 
 __all__ = [
     "causal_conv1d",
@@ -33,4 +34,6 @@ __all__ = [
     "gdn_gating_ref",
     "qk_norm_rope",
     "qk_norm_rope_ref",
+    "skinny_matmul",
+    "skinny_matmul_ref",
 ]

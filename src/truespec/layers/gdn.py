@@ -17,7 +17,7 @@ from torch import nn
 from truespec.forward_context import ForwardContext, get_forward_context
 from truespec.layers.activation import get_activation
 from truespec.layers.backend import kernels, use_kernels
-from truespec.layers.linear import MergedLinear, use_checkpoint_names
+from truespec.layers.linear import Linear, MergedLinear, use_checkpoint_names
 from truespec.layers.norm import GatedRMSNorm
 from truespec.layers.precision import compute_dtype
 
@@ -96,7 +96,7 @@ class GatedDeltaNet(nn.Module):
         self.dt_bias = nn.Parameter(torch.ones(num_v_heads))
         self.A_log = nn.Parameter(torch.zeros(num_v_heads))
         self.norm = GatedRMSNorm(head_v_dim, eps)
-        self.out_proj = nn.Linear(self.value_dim, hidden_size, bias=False)
+        self.out_proj = Linear(self.value_dim, hidden_size, bias=False)
         self.conv_state: torch.Tensor | None = None
         self.ssm_state: torch.Tensor | None = None
         use_checkpoint_names(self)

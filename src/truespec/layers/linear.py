@@ -1,4 +1,9 @@
-"""Merged projections: several linear layers that read the same input run as one GEMM (one kernel launch).
+"""Linear projections: ``Linear`` (one-row steps through the skinny matrix-vector kernel on CUDA) and merged
+projections: several linear layers that read the same input run as one GEMM (one kernel launch).
+
+``linear(x, weight, bias)`` is ``F.linear`` except for a single-row 16-bit step on CUDA (a batch-size-1 decode),
+which runs ``kernels/skinny_matmul.py``: it streams the weight at ~2.7 TB/s on an H100 where cuBLAS reaches
+~1.9 (BENCHMARKS.md). Steps of two or more rows keep cuBLAS, which is faster there.
 
 ``MergedLinear`` is an ``nn.Linear`` whose weight rows are the row-concatenation of the checkpoint's
 projections, in order: e.g. ``gate_up_proj.weight = cat([gate_proj.weight, up_proj.weight])``, so its
@@ -15,13 +20,31 @@ which rows hold which projection.
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from truespec.layers.backend import kernels, use_kernels
+
 _SUFFIXES = ("weight", "bias")
+_SKINNY_DTYPES = (torch.bfloat16, torch.float16)
 
 
-class MergedLinear(nn.Linear):
-    """One ``nn.Linear`` standing for the projections ``output_sizes`` ({checkpoint name: out_features})."""
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T + bias`` for ``x`` [T, in_features]."""
+    if x.dim() == 2 and x.shape[0] == 1 and x.dtype in _SKINNY_DTYPES and weight.dtype == x.dtype and use_kernels(x):
+        return kernels().skinny_matmul(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` whose forward is ``linear`` (same parameters and state dict)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
+
+
+class MergedLinear(Linear):
+    """One ``Linear`` standing for the projections ``output_sizes`` ({checkpoint name: out_features})."""
 
     def __init__(self, in_features: int, output_sizes: dict[str, int], bias: bool = False) -> None:
         super().__init__(in_features, sum(output_sizes.values()), bias=bias)

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from truespec.layers.activation import act_and_mul, get_activation
-from truespec.layers.linear import MergedLinear, use_checkpoint_names
+from truespec.layers.linear import Linear, MergedLinear, use_checkpoint_names
 
 
 class GatedMLP(nn.Module):
@@ -18,7 +18,7 @@ class GatedMLP(nn.Module):
         self.hidden_act = hidden_act
         sizes = {"gate_proj": intermediate_size, "up_proj": intermediate_size}
         self.gate_up_proj = MergedLinear(hidden_size, sizes, bias=bias)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
         use_checkpoint_names(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -22,11 +22,11 @@ layer's output and the residual stream *before* it was added, and adds it inside
 """
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from truespec.layers.attention import PagedAttention
 from truespec.layers.gdn import GatedDeltaNet
+from truespec.layers.linear import linear
 from truespec.layers.norm import RMSNorm
 from truespec.layers.rotary import RotaryEmbedding
 
@@ -81,7 +81,7 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [N, hidden_size] -> logits [N, vocab_size] in the model dtype (tied: the embedding matrix).
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight)
+        return linear(hidden, weight)
 
     def attention_layers(self) -> list[PagedAttention]:
         return [m for m in self.modules() if isinstance(m, PagedAttention)]

@@ -18,6 +18,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import Qwen3Config
 
+from truespec.layers.linear import Linear
 from truespec.layers.norm import RMSNorm
 from truespec.layers.rotary import rope_from_config
 from truespec.models.base import CausalLM
@@ -33,7 +34,7 @@ class EagleHead(HiddenStateDraftHead):
         super().__init__(target)
         h = config.hidden_size
         self.config = config
-        self.fc = nn.Linear(2 * h, h, bias=False)
+        self.fc = Linear(2 * h, h, bias=False)
         self.layers = nn.ModuleList([LlamaDecoderLayer(config, qk_norm=True)])
         self.norm = RMSNorm(h, config.rms_norm_eps)
         self.rotary_emb = rope_from_config(config, head_dim_of(config))

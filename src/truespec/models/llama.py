@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from truespec.layers.attention import PagedAttention
-from truespec.layers.linear import MergedLinear, use_checkpoint_names
+from truespec.layers.linear import Linear, MergedLinear, use_checkpoint_names
 from truespec.layers.mlp import GatedMLP
 from truespec.layers.norm import RMSNorm
 from truespec.layers.rotary import apply_qk_norm_rotary, rope_from_config
@@ -29,7 +29,7 @@ class LlamaAttention(nn.Module):
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         sizes = {"q_proj": q_size, "k_proj": kv_size, "v_proj": kv_size}
         self.qkv_proj = MergedLinear(config.hidden_size, sizes, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
+        self.o_proj = Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
         if qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -82,4 +82,4 @@ class LlamaForCausalLM(CausalLM):
         super().__init__()
         self.model = LlamaModel(config, self.qk_norm)
         tied = bool(config.tie_word_embeddings if tie_word_embeddings is None else tie_word_embeddings)
-        self.lm_head = None if tied else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = None if tied else Linear(config.hidden_size, config.vocab_size, bias=False)

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from truespec.layers.linear import Linear
 from truespec.layers.norm import RMSNorm
 from truespec.layers.rotary import rope_from_config
 from truespec.models.base import CausalLM
@@ -24,7 +25,7 @@ class MTPHead(HiddenStateDraftHead):
         h, eps = config.hidden_size, config.rms_norm_eps
         self.pre_fc_norm_embedding = RMSNorm(h, eps, unit_offset=True)
         self.pre_fc_norm_hidden = RMSNorm(h, eps, unit_offset=True)
-        self.fc = nn.Linear(2 * h, h, bias=False)
+        self.fc = Linear(2 * h, h, bias=False)
         num_layers = getattr(config, "mtp_num_hidden_layers", 1) or 1
         self.layers = nn.ModuleList([Qwen3_5DecoderLayer(config, "full_attention") for _ in range(num_layers)])
         self.norm = RMSNorm(h, eps, unit_offset=True)

@@ -12,7 +12,7 @@ from torch import nn
 from truespec.layers.activation import sigmoid_gate
 from truespec.layers.attention import PagedAttention
 from truespec.layers.gdn import GatedDeltaNet
-from truespec.layers.linear import MergedLinear, use_checkpoint_names
+from truespec.layers.linear import Linear, MergedLinear, use_checkpoint_names
 from truespec.layers.mlp import GatedMLP
 from truespec.layers.norm import RMSNorm
 from truespec.layers.rotary import apply_qk_norm_rotary, rope_from_config
@@ -34,7 +34,7 @@ class Qwen3_5Attention(nn.Module):
         kv_size = self.num_kv_heads * self.head_dim
         sizes = {"q_proj": 2 * self.num_heads * self.head_dim, "k_proj": kv_size, "v_proj": kv_size}
         self.qkv_proj = MergedLinear(hidden, sizes, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=bias)
+        self.o_proj = Linear(self.num_heads * self.head_dim, hidden, bias=bias)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, unit_offset=True)
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, unit_offset=True)
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5)
@@ -102,4 +102,4 @@ class Qwen3_5ForCausalLM(CausalLM):
         self.model = Qwen3_5TextModel(config)
         # Multimodal checkpoints decide tying in the outer config (as transformers does): the loader passes it.
         tied = config.tie_word_embeddings if tie_word_embeddings is None else tie_word_embeddings
-        self.lm_head = None if tied else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = None if tied else Linear(config.hidden_size, config.vocab_size, bias=False)

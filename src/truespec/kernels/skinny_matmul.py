@@ -1,0 +1,77 @@
+"""``y = x @ weight.T (+ bias)`` for the few rows of a decode step: a memory-bound matrix-vector kernel.
+
+At batch size 1..8 a projection reads its whole weight matrix to produce a handful of rows, so its time is the
+weight's bytes over the HBM bandwidth. cuBLAS picks GEMM tiles for such shapes that stream the weight at roughly
+half the card's copy rate (BENCHMARKS.md, "where the time goes"). Here each program owns ``BLOCK_N`` output
+columns for every row: it streams its ``BLOCK_N x K`` slice of the weight once, in ``BLOCK_K`` chunks, and
+accumulates each row's dot products in fp32.
+
+Each row is computed by the same instructions in the same order whatever the other rows are (the row loop is
+unrolled to the step's row count rounded up to a power of two; each row's sums are its own), so a row's
+result does not depend on how many rows the step has (1, a padded capture size, or a mixed batch): a request
+gets bitwise the same projections alone or batched, as long as the step takes this kernel (``MAX_ROWS``).
+The block sizes are fixed (not autotuned per shape or batch) for the same reason.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from truespec.kernels.triton_utils import reduce_sum
+
+MAX_ROWS = 8  # rows per launch; the engine sends only one-row steps here (layers/linear.py): from two rows on,
+# cuBLAS is faster (benchmarks/tune_skinny_matmul.py, BENCHMARKS.md)
+BLOCK_N, BLOCK_K, NUM_WARPS = 8, 1024, 8  # the fastest on the 0.8B shape's projections at one row (H100)
+
+
+@triton.jit
+def _skinny_matmul_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
+                          HAS_BIAS: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+                          BLOCK_K: tl.constexpr):
+    pid = tl.program_id(0)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    rows = tl.arange(0, ROWS)
+    acc = tl.full([ROWS, BLOCK_N], 0, tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        mask_k = offs_k < K
+        w = tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :],
+                    mask=mask_n[:, None] & mask_k[None, :], other=0.0).to(tl.float32)
+        for m in tl.static_range(ROWS):  # row by row: a row's sums never depend on the other rows
+            x = tl.load(x_ptr + m * stride_xm + offs_k, mask=mask_k & (m < M), other=0.0).to(tl.float32)
+            part = reduce_sum(w * x[None, :], 1)  # [BLOCK_N]
+            acc = tl.where(rows[:, None] == m, acc + part[None, :], acc)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    tl.store(y_ptr + rows[:, None] * stride_ym + offs_n[None, :], acc.to(y_ptr.dtype.element_ty),
+             mask=(rows[:, None] < M) & mask_n[None, :])
+
+
+def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                  block_n: int = BLOCK_N, block_k: int = BLOCK_K, num_warps: int = NUM_WARPS) -> torch.Tensor:
+    """``x`` [M, K] (rows contiguous in K), ``weight`` [N, K] contiguous, ``bias`` [N] or None -> [M, N] in x's
+    dtype. Rows are processed ``MAX_ROWS`` at a time; the block arguments are for benchmarks only."""
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+        raise ValueError(f"skinny_matmul: x {tuple(x.shape)} and weight {tuple(weight.shape)} do not match")
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    weight = weight if weight.stride(-1) == 1 else weight.contiguous()
+    (m, k), n = x.shape, weight.shape[0]
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    grid = (triton.cdiv(n, block_n),)
+    for start in range(0, m, MAX_ROWS):  # more rows than MAX_ROWS: the same kernel per group of rows
+        rows = min(MAX_ROWS, m - start)
+        _skinny_matmul_kernel[grid](x[start:], weight, bias if bias is not None else weight, y[start:], rows, n, k,
+                                    x.stride(0), weight.stride(0), y.stride(0), HAS_BIAS=bias is not None,
+                                    ROWS=triton.next_power_of_2(rows), BLOCK_N=block_n, BLOCK_K=block_k,
+                                    num_warps=num_warps)
+    return y
+
+
+def skinny_matmul_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The torch reference: fp32 (fp64 for fp64) products and sums, rounded once to x's dtype."""
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    y = x.to(acc) @ weight.to(acc).T
+    if bias is not None:
+        y = y + bias.to(acc)
+    return y.to(x.dtype)
