@@ -110,9 +110,9 @@ class ModelRunner:
             # host may queue the next step before this one ends
             step.argmax = logits.argmax(dim=-1)
             step.argmax_host = step.argmax.to("cpu", non_blocking=True)
-            if self.device.type == "cuda":
+            if self.device.type == "cuda":  # on this device's stream, also when another device is current
                 step.done = torch.cuda.Event()
-                step.done.record()
+                step.done.record(torch.cuda.current_stream(self.device))
         return step
 
     @torch.inference_mode()
