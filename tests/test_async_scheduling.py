@@ -83,6 +83,18 @@ def test_async_with_sampled_requests_kv_pressure_and_arrivals(tiny_models: dict[
     assert_all_free(llm)
 
 
+def test_async_overlaps_while_requests_wait_for_a_full_batch(tiny_models: dict[str, Path]) -> None:
+    """With more requests than max_num_seqs the waiting ones cannot be admitted until one finishes: steps are
+    still queued ahead (a saturated server), and outputs are as without async."""
+    prompts = random_prompts([7, 19, 31, 4, 12, 25, 9], seed=17)
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (9, 14, 5, 20, 11, 3, 16)]
+    reference = run(make_llm(tiny_models, False, max_num_seqs=3), prompts, params)
+    llm = make_llm(tiny_models, True, max_num_seqs=3)
+    assert run(llm, prompts, params) == reference
+    assert llm.llm_engine.num_async_steps > 20
+    assert_all_free(llm)
+
+
 def test_abort_while_a_step_is_queued(tiny_models: dict[str, Path]) -> None:
     prompts = random_prompts([10, 30, 20], seed=11)
     greedy = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)

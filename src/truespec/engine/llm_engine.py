@@ -148,8 +148,10 @@ class LLMEngine:
         that token wrote went to blocks and slots it held, and anything that reuses them later is queued
         after it on the same stream. Each request's rows are computed as without the overlap (invariant 1),
         so outputs are unchanged (tests/test_async_scheduling.py)."""
-        if not self._async or self.proposer is not None or self.scheduler.waiting:
+        if not self._async or self.proposer is not None:
             return False
+        if self.scheduler.waiting and len(self.scheduler.running) < self.config.max_num_seqs:
+            return False  # the next step may admit a waiting request: its prompt goes in a step planned on the host
         seqs = [s.seq for s in launched.scheduled]
         if seqs != self.scheduler.running or len(seqs) > self.config.max_num_batched_tokens:
             return False
