@@ -92,8 +92,7 @@ class LLMEngine:
         if seq is not None and not seq.is_finished:
             self.scheduler.finish(seq, "abort")
             self.runner.release(request_id)
-        if self._inflight is not None and all(s.seq.is_finished for s in self._inflight.scheduled):
-            self._inflight = None  # nothing left to read from the queued step
+        self._drop_finished_inflight()
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -134,9 +133,13 @@ class LLMEngine:
                 if not s.seq.is_finished and s.seq in self.scheduler.running:
                     self.scheduler.preempt(s.seq)
             raise
-        if self._inflight is not None and all(s.seq.is_finished for s in self._inflight.scheduled):
-            self._inflight = None  # every request of the queued step stopped: nothing reads its tokens
+        self._drop_finished_inflight()
         return finished
+
+    def _drop_finished_inflight(self) -> None:
+        """Forget a queued step whose requests all stopped or were aborted: nothing will read its tokens."""
+        if self._inflight is not None and all(s.seq.is_finished for s in self._inflight.scheduled):
+            self._inflight = None
 
     def _launch_next(self, launched: LaunchedStep) -> bool:
         """Async scheduling: if every request of ``launched`` goes on to a greedy one-token decode, advance

@@ -8,7 +8,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from truespec.engine.block_manager import BlockManager
 from truespec.engine.context_builder import ContextRow
 from truespec.engine.graph_runner import GraphRunner, GraphSettings
 from truespec.engine.scheduler import ScheduledSeq
@@ -74,11 +73,8 @@ class ModelRunner:
         self.graphs.capture()
 
     # ---- one step --------------------------------------------------------------------------
-    def execute(self, scheduled: list[ScheduledSeq], blocks: BlockManager, states: StateManager,
-                stop_checker: StopChecker) -> StepOutput:
-        """Run one step: the target scores every request's tokens (and drafts); sample / verify."""
-        return self.collect(self.launch(scheduled, states, stop_checker))
-
+    # A step is ``launch`` (the target scores every request's tokens and drafts) then ``collect`` (sample /
+    # verify); the engine may queue the next launch in between (async scheduling).
     @torch.inference_mode()
     def launch(self, scheduled: list[ScheduledSeq], states: StateManager, stop_checker: StopChecker,
                input_ids_from: torch.Tensor | None = None) -> "LaunchedStep":
