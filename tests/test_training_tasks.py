@@ -1,12 +1,13 @@
 """The training pipeline's edit-task format, its loss mask and its edit-point boosts (truespec.training)."""
 
+import json
 from pathlib import Path
 
 import pytest
 import torch
 from transformers import AutoTokenizer
 
-from truespec.assets import DEFAULT_MODEL_DIR
+from truespec.assets import DEFAULT_DRAFT_MODEL_DIR, DEFAULT_MODEL_DIR
 from truespec.training.__main__ import parse_config
 from truespec.training.data import BatchSampler, encode_with_boosts
 from truespec.training.models import DRAFT_SIZES, TARGET_SIZES
@@ -69,12 +70,22 @@ def test_sampler_returns_the_boosts_of_its_windows() -> None:
 
 
 def test_training_command_line_sets_the_model_sizes(tmp_path: Path) -> None:
-    cfg = parse_config(["--out", str(tmp_path), "--target-layers", "12", "--target-intermediate-size", "256",
-                        "--draft-intermediate-size", "320", "--edit-point-boost", "2"])
-    assert (cfg.target_sizes.num_layers, cfg.target_sizes.intermediate_size) == (12, 256)
-    assert cfg.target_sizes.hidden_size == TARGET_SIZES.hidden_size and cfg.draft_sizes.intermediate_size == 320
-    assert cfg.edit_point_boost == 2
+    cfg = parse_config(["--out", str(tmp_path), "--target-layers", "8", "--target-intermediate-size", "512",
+                        "--draft-intermediate-size", "384", "--edit-point-boost", "1"])  # the 48% model (MODEL.md)
+    assert (cfg.target_sizes.num_layers, cfg.target_sizes.intermediate_size) == (8, 512)
+    assert cfg.target_sizes.hidden_size == TARGET_SIZES.hidden_size and cfg.draft_sizes.intermediate_size == 384
+    assert cfg.edit_point_boost == 1
     default = parse_config(["--out", str(tmp_path)])  # the shipped run
-    assert (default.target_sizes, default.draft_sizes, default.edit_point_boost) == (TARGET_SIZES, DRAFT_SIZES, 1)
+    assert (default.target_sizes, default.draft_sizes, default.edit_point_boost) == (TARGET_SIZES, DRAFT_SIZES, 2)
     with pytest.raises(SystemExit):
         parse_config(["--out", str(tmp_path), "--target-layers", "2"])
+
+
+def test_default_training_sizes_are_the_shipped_models() -> None:
+    """``python -m truespec.training`` with no size options reproduces the shapes of the shipped checkpoints."""
+    target = json.loads((Path(DEFAULT_MODEL_DIR) / "config.json").read_text())
+    draft = json.loads((Path(DEFAULT_DRAFT_MODEL_DIR) / "config.json").read_text())
+    assert (target["num_hidden_layers"], target["intermediate_size"], target["hidden_size"]) == (
+        TARGET_SIZES.num_layers, TARGET_SIZES.intermediate_size, TARGET_SIZES.hidden_size)
+    assert (draft["num_hidden_layers"], draft["intermediate_size"], draft["hidden_size"]) == (
+        DRAFT_SIZES.num_layers, DRAFT_SIZES.intermediate_size, DRAFT_SIZES.hidden_size)

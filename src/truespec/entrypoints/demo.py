@@ -8,7 +8,10 @@ from truespec.llm import LLM
 from truespec.sampling_params import SamplingParams
 from truespec.training.tokenizer import format_edit
 
-COMPLETION = 'def mean(values):\n    """Return the arithmetic mean of a non-empty sequence."""\n'
+# A held-out stdlib pattern (benchmarks/prompts/heldout.jsonl): a 6M-parameter model completes what it has seen
+# the shape of; on free-form functions it soon repeats itself.
+COMPLETION = ("import codecs\n\n### Codec APIs\n\nclass Codec(codecs.Codec):\n\n"
+              "    def encode(self,input,errors='strict'):\n")
 ORIGINAL = '''def parse_pairs(text, sep="="):
     """Split lines of 'key=value' into a dict."""
     result = {}
