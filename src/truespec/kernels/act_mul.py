@@ -17,6 +17,17 @@ _MAX_BLOCK = 1024
 
 
 @triton.jit
+def act_mul_block(a, b, IS_SILU: tl.constexpr, ACC_DTYPE: tl.constexpr):
+    """act(a) * b for a, b loaded in the model dtype, returned in it: the one arithmetic of this kernel and of
+    the skinny matmul's fused input (kernels/skinny_matmul.py), so the two give the same bits."""
+    dtype = a.dtype
+    a = a.to(ACC_DTYPE)
+    act = (a if IS_SILU else 1.0) / (1.0 + tl.exp(-a))  # silu(a) = a / (1 + e^-a), sigmoid(a) = 1 / (1 + e^-a)
+    y = act.to(dtype).to(ACC_DTYPE) * b.to(ACC_DTYPE)  # the activation rounds to dtype first, as a torch op would
+    return y.to(dtype)
+
+
+@triton.jit
 def _act_mul_kernel(
     out_ptr,  # [T, H, N] contiguous
     a_ptr,  # [T, H, N] (the activation's input)
@@ -34,13 +45,10 @@ def _act_mul_kernel(
     head = tl.program_id(1)
     n = tl.program_id(2) * BLOCK + tl.arange(0, BLOCK)
     mask = n < N
-    dtype = out_ptr.dtype.element_ty
-    a = tl.load(a_ptr + row * stride_a_row + head * stride_a_head + n, mask=mask, other=0.0).to(ACC_DTYPE)
-    b = tl.load(b_ptr + row * stride_b_row + head * stride_b_head + n, mask=mask, other=0.0).to(ACC_DTYPE)
-    act = (a if IS_SILU else 1.0) / (1.0 + tl.exp(-a))  # silu(a) = a / (1 + e^-a), sigmoid(a) = 1 / (1 + e^-a)
-    y = act.to(dtype).to(ACC_DTYPE) * b  # the activation rounds to dtype first, as a separate torch op would
+    a = tl.load(a_ptr + row * stride_a_row + head * stride_a_head + n, mask=mask, other=0.0)
+    b = tl.load(b_ptr + row * stride_b_row + head * stride_b_head + n, mask=mask, other=0.0)
     out = out_ptr + (row * tl.num_programs(1) + head) * N + n
-    tl.store(out, y.to(dtype), mask=mask)
+    tl.store(out, act_mul_block(a, b, IS_SILU, ACC_DTYPE), mask=mask)
 
 
 def act_mul(a: torch.Tensor, b: torch.Tensor, activation: str) -> torch.Tensor:

@@ -11,22 +11,45 @@ steps (layers/linear.py). It accepts more rows (tests, benchmarks): each row is 
 instructions in the same order whatever the other rows are (the row loop is unrolled to the row count rounded
 up to a power of two; each row's sums are its own), so a row's result does not depend on the other rows. The
 block sizes are fixed, not autotuned per shape or batch.
+
+With ``input_act`` the kernel reads a merged gate/up output ``[gate | up]`` ([M, 2K]) and computes its input
+``act(gate) * up`` while it streams the weight: a gated MLP's down projection then needs no separate act_mul
+launch (layers/linear.py). The input is computed by act_mul's own arithmetic (``act_mul_block``) and rounded
+to the model dtype as act_mul writes it; the weight loop and the sums are unchanged, so the result is bitwise
+``skinny_matmul(act_mul(gate, up, act), weight)``.
 """
 
 import torch
 import triton
 import triton.language as tl
 
-from truespec.kernels.triton_utils import reduce_sum
+from truespec.kernels.act_mul import act_mul_block, act_mul_ref
+from truespec.kernels.triton_utils import reduce_sum, tl_compute_dtype
+from truespec.layers.activation import KERNEL_ACTIVATIONS
 
 MAX_ROWS = 8  # rows per launch (more rows: one launch per group of 8)
 BLOCK_N, BLOCK_K, NUM_WARPS = 8, 1024, 8  # the fastest on the 0.8B shape's projections at one row (H100)
 
 
 @triton.jit
+def _load_row_chunk(x_ptr, offs_k, mask, K, HAS_ACT: tl.constexpr, IS_SILU: tl.constexpr,
+                    ACT_DTYPE: tl.constexpr):
+    """``BLOCK_K`` entries of an input row in fp32; with ``HAS_ACT`` the row is ``[gate | up]`` (2K wide) and
+    its input is act(gate) * up, rounded to the model dtype exactly as the act_mul kernel writes it."""
+    if HAS_ACT:
+        gate = tl.load(x_ptr + offs_k, mask=mask, other=0.0)
+        up = tl.load(x_ptr + K + offs_k, mask=mask, other=0.0)
+        x = act_mul_block(gate, up, IS_SILU, ACT_DTYPE)
+    else:
+        x = tl.load(x_ptr + offs_k, mask=mask, other=0.0)
+    return x.to(tl.float32)
+
+
+@triton.jit
 def _skinny_matmul_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
                           HAS_BIAS: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
-                          BLOCK_K: tl.constexpr):
+                          BLOCK_K: tl.constexpr, HAS_ACT: tl.constexpr, IS_SILU: tl.constexpr,
+                          ACT_DTYPE: tl.constexpr):
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
@@ -38,7 +61,7 @@ def _skinny_matmul_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride
         w = tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :],
                     mask=mask_n[:, None] & mask_k[None, :], other=0.0).to(tl.float32)
         for m in tl.static_range(ROWS):  # row by row: a row's sums never depend on the other rows
-            x = tl.load(x_ptr + m * stride_xm + offs_k, mask=mask_k & (m < M), other=0.0).to(tl.float32)
+            x = _load_row_chunk(x_ptr + m * stride_xm, offs_k, mask_k & (m < M), K, HAS_ACT, IS_SILU, ACT_DTYPE)
             part = reduce_sum(w * x[None, :], 1)  # [BLOCK_N]
             acc = tl.where(rows[:, None] == m, acc + part[None, :], acc)
     if HAS_BIAS:
@@ -48,14 +71,21 @@ def _skinny_matmul_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride
 
 
 def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                  block_n: int = BLOCK_N, block_k: int = BLOCK_K, num_warps: int = NUM_WARPS) -> torch.Tensor:
+                  input_act: str | None = None, block_n: int = BLOCK_N, block_k: int = BLOCK_K,
+                  num_warps: int = NUM_WARPS) -> torch.Tensor:
     """``x`` [M, K] (rows contiguous in K), ``weight`` [N, K] contiguous, ``bias`` [N] or None -> [M, N] in x's
-    dtype. Rows are processed ``MAX_ROWS`` at a time; the block arguments are for benchmarks only."""
-    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
-        raise ValueError(f"skinny_matmul: x {tuple(x.shape)} and weight {tuple(weight.shape)} do not match")
+    dtype. With ``input_act`` (silu/swish/sigmoid), ``x`` is a merged gate/up output [M, 2K] and the input is
+    ``act_mul(gate, up, input_act)``, computed on the fly. Rows are processed ``MAX_ROWS`` at a time; the block
+    arguments are for benchmarks only."""
+    k = weight.shape[-1]
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != (k if input_act is None else 2 * k):
+        raise ValueError(f"skinny_matmul: x {tuple(x.shape)} and weight {tuple(weight.shape)} do not match"
+                         + ("" if input_act is None else f" (x is [gate | up] for input_act={input_act!r})"))
+    if input_act is not None and input_act not in KERNEL_ACTIVATIONS:
+        raise ValueError(f"skinny_matmul: input_act must be one of {KERNEL_ACTIVATIONS}, got {input_act!r}")
     x = x if x.stride(-1) == 1 else x.contiguous()
     weight = weight if weight.stride(-1) == 1 else weight.contiguous()
-    (m, k), n = x.shape, weight.shape[0]
+    m, n = x.shape[0], weight.shape[0]
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     grid = (triton.cdiv(n, block_n),)
     for start in range(0, m, MAX_ROWS):  # more rows than MAX_ROWS: the same kernel per group of rows
@@ -63,12 +93,17 @@ def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         _skinny_matmul_kernel[grid](x[start:], weight, bias if bias is not None else weight, y[start:], rows, n, k,
                                     x.stride(0), weight.stride(0), y.stride(0), HAS_BIAS=bias is not None,
                                     ROWS=triton.next_power_of_2(rows), BLOCK_N=block_n, BLOCK_K=block_k,
-                                    num_warps=num_warps)
+                                    HAS_ACT=input_act is not None, IS_SILU=input_act != "sigmoid",
+                                    ACT_DTYPE=tl_compute_dtype(x.dtype), num_warps=num_warps)
     return y
 
 
-def skinny_matmul_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """The torch reference: fp32 (fp64 for fp64) products and sums, rounded once to x's dtype."""
+def skinny_matmul_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                      input_act: str | None = None) -> torch.Tensor:
+    """The torch reference: fp32 (fp64 for fp64) products and sums, rounded once to x's dtype; with
+    ``input_act``, of the input ``act_mul_ref(gate, up, input_act)`` (in x's dtype, as the kernel's)."""
+    if input_act is not None:
+        x = act_mul_ref(*x.chunk(2, dim=-1), input_act)
     acc = torch.float64 if x.dtype == torch.float64 else torch.float32
     y = x.to(acc) @ weight.to(acc).T
     if bias is not None:

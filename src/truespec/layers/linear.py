@@ -5,6 +5,11 @@ projections: several linear layers that read the same input run as one GEMM (one
 which runs ``kernels/skinny_matmul.py``: it streams the weight at ~2.7 TB/s on an H100 where cuBLAS reaches
 ~1.9 (BENCHMARKS.md). Steps of two or more rows keep cuBLAS, which is faster there.
 
+``linear(gate_up, weight, bias, input_act=act)`` is ``linear(act_and_mul(gate_up, act), weight, bias)``, the
+down projection of a gated MLP: on such a one-row step (activations the act_mul kernel has) it is one skinny
+launch that computes act(gate) * up while it reads the row, bitwise equal to the two launches; elsewhere it
+is those two steps.
+
 ``MergedLinear`` is an ``nn.Linear`` whose weight rows are the row-concatenation of the checkpoint's
 projections, in order: e.g. ``gate_up_proj.weight = cat([gate_proj.weight, up_proj.weight])``, so its
 output is ``cat([gate_proj(x), up_proj(x)], dim=-1)`` and ``split(y)`` gives the pieces back as views.
@@ -23,24 +28,43 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from truespec.layers.activation import KERNEL_ACTIVATIONS, act_and_mul
 from truespec.layers.backend import kernels, use_kernels
 
 _SUFFIXES = ("weight", "bias")
 _SKINNY_DTYPES = (torch.bfloat16, torch.float16)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ weight.T + bias`` for ``x`` [T, in_features]."""
-    if x.dim() == 2 and x.shape[0] == 1 and x.dtype in _SKINNY_DTYPES and weight.dtype == x.dtype and use_kernels(x):
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, input_act: str | None = None
+) -> torch.Tensor:
+    """``x @ weight.T + bias`` for ``x`` [T, in_features]. With ``input_act``, ``x`` is a merged gate/up output
+    [T, 2 * in_features] and the input is ``act_and_mul(x, input_act)`` (a gated MLP's down projection)."""
+    if input_act is not None:
+        return _act_and_linear(x, weight, bias, input_act)
+    if _is_skinny(x, weight):
         return kernels().skinny_matmul(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+def _is_skinny(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """A one-row 16-bit step on CUDA (a batch-size-1 decode): the skinny kernel's."""
+    return x.dim() == 2 and x.shape[0] == 1 and x.dtype in _SKINNY_DTYPES and weight.dtype == x.dtype and use_kernels(x)
+
+
+def _act_and_linear(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, act: str) -> torch.Tensor:
+    """``linear(act_and_mul(gate_up, act), weight, bias)``. Where those two steps would be the act_mul kernel
+    and the skinny kernel, one skinny launch computes act(gate) * up as it reads the row (bitwise the same)."""
+    if _is_skinny(gate_up, weight) and act in KERNEL_ACTIVATIONS and gate_up.stride(-1) == 1:
+        return kernels().skinny_matmul(gate_up, weight, bias, input_act=act)
+    return linear(act_and_mul(gate_up, act), weight, bias)
 
 
 class Linear(nn.Linear):
     """``nn.Linear`` whose forward is ``linear`` (same parameters and state dict)."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+    def forward(self, x: torch.Tensor, input_act: str | None = None) -> torch.Tensor:
+        return linear(x, self.weight, self.bias, input_act)
 
 
 class MergedLinear(Linear):
