@@ -7,7 +7,7 @@ kernels on CPU tensors (``@triton.jit`` picks compiled vs interpreted when the m
 from truespec.kernels.act_mul import act_mul, act_mul_ref
 from truespec.kernels.add_rms_norm import add_rms_norm, add_rms_norm_ref
 from truespec.kernels.causal_conv1d import causal_conv1d, causal_conv1d_ref
-from truespec.kernels.gdn_gating import gdn_gating, gdn_gating_ref
+from truespec.kernels.gdn_gating import GateInputs, gdn_gating, gdn_gating_ref
 from truespec.kernels.gdn_recurrent import gdn_recurrent, gdn_recurrent_ref
 from truespec.kernels.paged_attention import paged_attention, paged_attention_ref
 from truespec.kernels.qk_norm_rope import qk_norm_rope, qk_norm_rope_ref
@@ -30,6 +30,7 @@ __all__ = [
     "act_mul_ref",
     "add_rms_norm",
     "add_rms_norm_ref",
+    "GateInputs",
     "gdn_gating",
     "gdn_gating_ref",
     "qk_norm_rope",

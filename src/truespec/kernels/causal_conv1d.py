@@ -4,8 +4,11 @@ The window is the last K-1 conv *inputs* (model dtype). Request r continues the 
 ``state_src[r]`` (-1: zeros) and, after each query token t >= state_write_start[r], stores the K-1
 inputs ending at t into slot ``state_dst[r] + t - state_write_start[r]`` (DESIGN.md invariant 2;
 state_dst -1 = inert). One program per (token, channel block), so prefill chunks run fully parallel.
-Because a source slot may lie in the request's own destination group, the starting windows are
-gathered into a separate buffer (one small ``index_select``) before the kernel writes any slot.
+Because a source slot may lie in the request's own destination group (a verify keeping a window per
+position), the starting windows are first copied into a separate buffer [R, C, K-1] by one small gather
+kernel: the conv kernel runs after it on the stream, so every read of a source slot precedes every write.
+(A gather of only the rows with state_src >= 0: the conv kernel never reads the others, so the buffer needs
+no fill, and one launch replaces torch's clamp + index_select.)
 """
 
 import torch
@@ -25,12 +28,45 @@ def _conv_input(x_ptr, init_ptr, start, p, has_init, c, c_mask, stride_x_tok, K:
     return tl.where(p >= 0, from_x, from_window.to(from_x.dtype))
 
 
+@triton.jit
+def _gather_windows_kernel(
+    init_ptr,  # [R, C, K-1], contiguous
+    conv_state_ptr,  # [num_slots, C, K-1]
+    state_src_ptr,  # [R]
+    stride_cs_slot,
+    stride_cs_c,
+    C: tl.constexpr,
+    K: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    r = tl.program_id(0)
+    i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)  # flat index c * (K-1) + j into the window
+    src = tl.load(state_src_ptr + r)
+    mask = (i < C * (K - 1)) & (src >= 0)
+    window = tl.load(conv_state_ptr + src * stride_cs_slot + (i // (K - 1)) * stride_cs_c + i % (K - 1), mask=mask)
+    tl.store(init_ptr + r.to(tl.int64) * (C * (K - 1)) + i, window, mask=mask)
+
+
+def gather_windows(conv_state: torch.Tensor, state_src: torch.Tensor, block: int = 1024) -> torch.Tensor:
+    """[R, C, K-1]: row r is ``conv_state[state_src[r]]``; rows with state_src < 0 are left unwritten.
+    ``conv_state`` [num_slots, C, K-1] needs a unit last stride (slots and channels may be strided)."""
+    if conv_state.dim() != 3 or conv_state.stride(-1) != 1:
+        raise ValueError(f"conv_state {tuple(conv_state.shape)} must be [num_slots, C, K-1] with a unit last stride")
+    num_reqs, (_, channels, width) = state_src.shape[0], conv_state.shape  # width = K - 1
+    init = torch.empty(num_reqs, channels, width, dtype=conv_state.dtype, device=conv_state.device)
+    grid = (num_reqs, triton.cdiv(channels * width, block))
+    _gather_windows_kernel[grid](
+        init, conv_state, state_src, conv_state.stride(0), conv_state.stride(1), C=channels, K=width + 1, BLOCK=block
+    )
+    return init
+
+
 @triton.jit(do_not_specialize=["num_reqs"])
 def _causal_conv1d_kernel(
     out_ptr,  # [T, C]
     x_ptr,  # [T, C]
     weight_ptr,  # [C, K], contiguous
-    init_ptr,  # [R, C, K-1], contiguous: each request's starting window, gathered before any write
+    init_ptr,  # [R, C, K-1], contiguous: each request's starting window, gathered before any write (src >= 0)
     conv_state_ptr,  # [num_slots, C, K-1]
     query_start_loc_ptr,  # [R + 1]
     state_src_ptr,  # [R]
@@ -102,7 +138,7 @@ def causal_conv1d(
     num_reqs = state_src.shape[0]
     if num_reqs == 0:
         return out.zero_()
-    init = conv_state.index_select(0, state_src.clamp(min=0)).contiguous()  # [R, C, K-1], read before writes
+    init = gather_windows(conv_state, state_src)  # [R, C, K-1]: every read before the kernel's writes
     grid = (num_tokens, triton.cdiv(channels, block_c))
     _causal_conv1d_kernel[grid](
         out, x, weight, init, conv_state, query_start_loc, state_src, state_dst, state_write_start, num_reqs,

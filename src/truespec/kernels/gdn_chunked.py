@@ -140,9 +140,9 @@ def gdn_chunked(
     state_write_start_cpu: list[int] | None = None,
     min_chunk_len: int = MIN_CHUNK_LEN,
 ) -> torch.Tensor:
-    """``gdn_recurrent`` (same arguments, same effect on ``ssm_state``, o [T, HV, DV]) with long prefill
-    chunks through fla's chunk kernel. The ``*_cpu`` lists are host copies of the metadata (read back with
-    one sync when omitted). All initial states are read before any slot is written.
+    """``gdn_recurrent`` given g, beta tensors (same arguments, same effect on ``ssm_state``, o [T, HV, DV])
+    with long prefill chunks through fla's chunk kernel. The ``*_cpu`` lists are host copies of the metadata
+    (read back with one sync when omitted). All initial states are read before any slot is written.
     """
     meta = (query_start_loc, state_src, state_dst, state_write_start)
     if ssm_state.is_cuda and torch.cuda.is_current_stream_capturing():  # host reads cannot be captured

@@ -6,7 +6,14 @@
 as ``layers/gdn.py`` computes them (``gdn_gating_ref`` spells its two lines out). softplus is torch's:
 x above 20 passes through, else log1p(exp(x)), with log1p(u) = log(1 + u) * u / ((1 + u) - 1), which
 keeps full relative precision for tiny u (Triton has no log1p).
+
+The arithmetic lives in one ``@triton.jit`` helper, ``gdn_gates``, which ``gdn_recurrent`` also calls when
+given the raw ``GateInputs`` (it then computes each token's gates itself, saving this launch): both kernels
+run the same operations in the same dtypes, so their g and beta are the same bits. This kernel remains for
+the chunked prefill path (fla's kernel takes g and beta tensors).
 """
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -16,7 +23,43 @@ import triton.language as tl
 from truespec.kernels.triton_utils import tl_compute_dtype
 from truespec.layers.precision import compute_dtype
 
-_SOFTPLUS_THRESHOLD = 20.0  # torch.nn.functional.softplus's default
+SOFTPLUS_THRESHOLD = 20.0  # torch.nn.functional.softplus's default
+
+
+@dataclass(frozen=True)
+class GateInputs:
+    """The raw inputs of GDN's gates, all in the model dtype (validated here, for every kernel that takes them)."""
+
+    a: torch.Tensor  # [T, HV], the in_proj_a output: unit last stride, any row stride
+    b: torch.Tensor  # [T, HV], the in_proj_b output: same
+    A_log: torch.Tensor  # [HV], contiguous
+    dt_bias: torch.Tensor  # [HV], contiguous
+
+    def __post_init__(self) -> None:
+        a, b, A_log, dt_bias = self.a, self.b, self.A_log, self.dt_bias  # noqa: N806
+        num_heads = a.shape[-1]
+        if a.dim() != 2 or b.shape != a.shape or A_log.shape != (num_heads,) or dt_bias.shape != (num_heads,):
+            raise ValueError(
+                f"a {tuple(a.shape)}, b {tuple(b.shape)}, A_log {tuple(A_log.shape)}, dt_bias "
+                f"{tuple(dt_bias.shape)}: need a, b [T, HV] and A_log, dt_bias [HV]"
+            )
+        if a.stride(-1) != 1 or b.stride(-1) != 1 or not (A_log.is_contiguous() and dt_bias.is_contiguous()):
+            raise ValueError("a and b need a unit last stride; A_log and dt_bias must be contiguous")
+
+
+@triton.jit
+def gdn_gates(a, b, A_log, dt_bias, THRESHOLD: tl.constexpr, MODEL_DTYPE: tl.constexpr):
+    """(g, beta) from a, b, A_log, dt_bias already loaded in the compute dtype (any one shape: a head's
+    scalar or a row of heads); see the module docstring. The one copy of the gate arithmetic."""
+    x = a + dt_bias
+    u = tl.exp(tl.minimum(x, THRESHOLD))  # clamped: the branch that uses it never sees x > THRESHOLD
+    w = 1.0 + u
+    is_tiny = w == 1.0
+    log1p_u = tl.where(is_tiny, u, tl.log(w) * (u / tl.where(is_tiny, 1.0, w - 1.0)))
+    softplus = tl.where(x > THRESHOLD, x, log1p_u)
+    g = -tl.exp(A_log) * softplus
+    beta = (1.0 / (1.0 + tl.exp(-b))).to(MODEL_DTYPE).to(b.dtype)
+    return g, beta
 
 
 @triton.jit
@@ -37,19 +80,11 @@ def _gdn_gating_kernel(
     token = tl.program_id(0).to(tl.int64)
     h = tl.arange(0, BLOCK_H)
     mask = h < HV
-    model_dtype = a_ptr.dtype.element_ty
     a = tl.load(a_ptr + token * stride_a_row + h, mask=mask, other=0.0).to(ACC_DTYPE)
     b = tl.load(b_ptr + token * stride_b_row + h, mask=mask, other=0.0).to(ACC_DTYPE)
     A_log = tl.load(A_log_ptr + h, mask=mask, other=0.0).to(ACC_DTYPE)
     dt_bias = tl.load(dt_bias_ptr + h, mask=mask, other=0.0).to(ACC_DTYPE)
-    x = a + dt_bias
-    u = tl.exp(tl.minimum(x, THRESHOLD))  # clamped: the branch that uses it never sees x > THRESHOLD
-    w = 1.0 + u
-    is_tiny = w == 1.0
-    log1p_u = tl.where(is_tiny, u, tl.log(w) * (u / tl.where(is_tiny, 1.0, w - 1.0)))
-    softplus = tl.where(x > THRESHOLD, x, log1p_u)
-    g = -tl.exp(A_log) * softplus
-    beta = (1.0 / (1.0 + tl.exp(-b))).to(model_dtype).to(ACC_DTYPE)
+    g, beta = gdn_gates(a, b, A_log, dt_bias, THRESHOLD, a_ptr.dtype.element_ty)
     tl.store(g_ptr + token * HV + h, g, mask=mask)
     tl.store(beta_ptr + token * HV + h, beta, mask=mask)
 
@@ -59,21 +94,14 @@ def gdn_gating(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """a, b [T, HV] (the in_proj_a / in_proj_b outputs, unit last stride, any row stride), A_log, dt_bias
     [HV], all in the model dtype. Returns (g, beta), each a contiguous [T, HV] in the compute dtype."""
+    GateInputs(a, b, A_log, dt_bias)  # validates
     num_tokens, num_heads = a.shape
-    if b.shape != a.shape or A_log.shape != (num_heads,) or dt_bias.shape != (num_heads,):
-        raise ValueError(
-            f"a {tuple(a.shape)}, b {tuple(b.shape)}, A_log {tuple(A_log.shape)}, dt_bias "
-            f"{tuple(dt_bias.shape)}: need a, b [T, HV] and A_log, dt_bias [HV]"
-        )
-    if a.stride(-1) != 1 or b.stride(-1) != 1 or not (A_log.is_contiguous() and dt_bias.is_contiguous()):
-        raise ValueError("a and b need a unit last stride; A_log and dt_bias must be contiguous")
-    cdt = compute_dtype(a.dtype)
-    g = torch.empty(num_tokens, num_heads, dtype=cdt, device=a.device)
+    g = torch.empty(num_tokens, num_heads, dtype=compute_dtype(a.dtype), device=a.device)
     beta = torch.empty_like(g)
     if num_tokens > 0:
         _gdn_gating_kernel[(num_tokens,)](
             g, beta, a, b, A_log, dt_bias, a.stride(0), b.stride(0),
-            HV=num_heads, BLOCK_H=triton.next_power_of_2(num_heads), THRESHOLD=_SOFTPLUS_THRESHOLD,
+            HV=num_heads, BLOCK_H=triton.next_power_of_2(num_heads), THRESHOLD=SOFTPLUS_THRESHOLD,
             ACC_DTYPE=tl_compute_dtype(a.dtype),
         )  # fmt: skip
     return g, beta

@@ -134,7 +134,8 @@ class GatedDeltaNet(nn.Module):
         return self.out_proj(core)
 
     def _forward_kernels(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        """The same layer through the Triton kernels: no host sync, graph-safe (tests/test_kernels.py)."""
+        """The same layer through the Triton kernels: no host sync, graph-safe (tests/test_kernels.py). A decode
+        step launches 6 kernels: in_proj, conv window gather, conv, recurrence (gates fused), gated norm, out_proj."""
         k_ops = kernels()
         meta = (ctx.query_start_loc, ctx.state_src, ctx.state_dst, ctx.state_write_start)
         mixed_qkv, z, b, a = self.in_proj.split(self.in_proj(x))
@@ -142,15 +143,16 @@ class GatedDeltaNet(nn.Module):
         q, k, v = conv_out.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         k_heads, v_heads = (self.num_k_heads, self.head_k_dim), (self.num_v_heads, self.head_v_dim)
         q, k, v = q.unflatten(-1, k_heads), k.unflatten(-1, k_heads), v.unflatten(-1, v_heads)
-        g, beta = k_ops.gdn_gating(a, b, self.A_log, self.dt_bias)
         if _use_chunked_prefill(x, ctx):
             from truespec.kernels.gdn_chunked import gdn_chunked
 
+            g, beta = k_ops.gdn_gating(a, b, self.A_log, self.dt_bias)  # fla's kernel takes the gates as tensors
             src, dst, write_start = ctx.state_cpu
             core = gdn_chunked(q, k, v, g, beta, self.ssm_state, *meta, query_start_loc_cpu=ctx.query_start_loc_cpu,
                                state_src_cpu=src, state_dst_cpu=dst, state_write_start_cpu=write_start)
-        else:
-            core = k_ops.gdn_recurrent(q, k, v, g, beta, self.ssm_state, *meta)
+        else:  # the gates are computed inside the recurrent kernel (bitwise as gdn_gating): one launch fewer
+            gates = k_ops.GateInputs(a, b, self.A_log, self.dt_bias)
+            core = k_ops.gdn_recurrent(q, k, v, None, None, self.ssm_state, *meta, gate_inputs=gates)
         core = k_ops.rms_norm(core, self.norm.weight, self.norm.eps, gate=z.unflatten(-1, v_heads))
         return self.out_proj(core.reshape(x.shape[0], self.value_dim))
 
