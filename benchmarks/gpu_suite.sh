@@ -22,7 +22,7 @@ shape=/tmp/qwen35-0.8b-shape
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/device.txt"
 
 if has tests; then
-    timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/ 2>&1 | tail -30 > "$OUT/gpu_tests.log"
+    timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/ 2>&1 | tail -30 > "$OUT/gpu_tests.log"
     tail -3 "$OUT/gpu_tests.log"
 fi
 if has tune; then
