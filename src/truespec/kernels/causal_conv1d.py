@@ -41,7 +41,7 @@ def _gather_windows_kernel(
 ):
     r = tl.program_id(0)
     i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)  # flat index c * (K-1) + j into the window
-    src = tl.load(state_src_ptr + r)
+    src = tl.load(state_src_ptr + r).to(tl.int64)  # slot * stride: 64-bit
     mask = (i < C * (K - 1)) & (src >= 0)
     window = tl.load(conv_state_ptr + src * stride_cs_slot + (i // (K - 1)) * stride_cs_c + i % (K - 1), mask=mask)
     tl.store(init_ptr + r.to(tl.int64) * (C * (K - 1)) + i, window, mask=mask)
@@ -104,7 +104,7 @@ def _causal_conv1d_kernel(
     y = tl.where(is_valid, y, 0.0)
     tl.store(out_ptr + token * stride_o_tok + c, y.to(out_ptr.dtype.element_ty), mask=c_mask)
 
-    dst = tl.load(state_dst_ptr + r)
+    dst = tl.load(state_dst_ptr + r).to(tl.int64)
     write_start = tl.load(state_write_start_ptr + r)
     is_kept = is_valid & (dst >= 0) & (offset >= write_start)
     window_ptr = conv_state_ptr + (dst + offset - write_start) * stride_cs_slot + c * stride_cs_c
@@ -126,7 +126,8 @@ def causal_conv1d(
     num_warps: int = 4,
 ) -> torch.Tensor:
     """Conv + activation of x [T, C] with weight [C, K] (or nn.Conv1d's [C, 1, K]); updates ``conv_state``
-    [num_slots, C, K-1] in place. Returns [T, C] in x's dtype (rows owned by no request: zeros)."""
+    [num_slots, C, K-1] in place. Returns [T, C] in x's dtype (rows past query_start_loc[R], a graph's
+    padding: zeros)."""
     num_tokens, channels = x.shape
     weight = weight.reshape(channels, -1).contiguous()
     kernel = weight.shape[1]

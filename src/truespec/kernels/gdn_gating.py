@@ -37,8 +37,10 @@ class GateInputs:
 
     def __post_init__(self) -> None:
         a, b, A_log, dt_bias = self.a, self.b, self.A_log, self.dt_bias  # noqa: N806
+        if a.dim() != 2 or a.dtype != b.dtype or a.device != b.device:
+            raise ValueError(f"a {tuple(a.shape)} {a.dtype} and b {b.dtype} must be [T, HV] of one dtype and device")
         num_heads = a.shape[-1]
-        if a.dim() != 2 or b.shape != a.shape or A_log.shape != (num_heads,) or dt_bias.shape != (num_heads,):
+        if b.shape != a.shape or A_log.shape != (num_heads,) or dt_bias.shape != (num_heads,):
             raise ValueError(
                 f"a {tuple(a.shape)}, b {tuple(b.shape)}, A_log {tuple(A_log.shape)}, dt_bias "
                 f"{tuple(dt_bias.shape)}: need a, b [T, HV] and A_log, dt_bias [HV]"

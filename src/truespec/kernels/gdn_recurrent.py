@@ -87,8 +87,8 @@ def _gdn_recurrent_kernel(
     is_request = r < num_reqs
     start = tl.load(query_start_loc_ptr + r)
     end = tl.where(is_request, tl.load(query_start_loc_ptr + r + 1, mask=is_request, other=0), start)
-    src = tl.load(state_src_ptr + r, mask=is_request, other=-1)
-    dst = tl.load(state_dst_ptr + r, mask=is_request, other=-1)
+    src = tl.load(state_src_ptr + r, mask=is_request, other=-1).to(tl.int64)  # slot * stride: 64-bit
+    dst = tl.load(state_dst_ptr + r, mask=is_request, other=-1).to(tl.int64)
     write_start = tl.load(state_write_start_ptr + r, mask=is_request, other=0)
 
     kk = tl.arange(0, DK_PAD)
@@ -157,16 +157,19 @@ def gdn_recurrent(
     k-heads are shared by HV // HK value heads, no repeat needed); g, beta [T, HV] in the compute dtype,
     or None with ``gate_inputs`` (the raw a, b, A_log, dt_bias: gates computed in-kernel, bitwise as
     ``gdn_gating``); ssm_state [num_slots, HV, DK, DV] in the compute dtype. q is scaled by ``scale``
-    (default DK^-0.5) after the optional L2 norm. Returns o [T, HV, DV] in v's dtype (rows owned by no
-    request: zeros). ``block_v`` / ``num_warps`` only tune speed (benchmarks/tune_decode_kernels.py: one warp
-    per [DK, 32] state tile was fastest on an H200 from BS 1 to 128); they are fixed, never chosen per batch,
-    so a request's arithmetic does not depend on the batch it is in (invariant 4).
+    (default DK^-0.5) after the optional L2 norm. Returns o [T, HV, DV] in v's dtype (rows past
+    query_start_loc[R], a graph's padding: zeros; requests are packed from row 0). ``block_v`` / ``num_warps``
+    only tune speed (benchmarks/tune_decode_kernels.py: one warp per [DK, 32] state tile was fastest on an
+    H200 from BS 1 to 128); they are fixed, never chosen per batch, so a request's arithmetic does not depend
+    on the batch it is in (invariant 4).
     """
     num_tokens, num_k_heads, head_k_dim = q.shape
     _, num_v_heads, head_v_dim = v.shape
     if ssm_state.shape[1:] != (num_v_heads, head_k_dim, head_v_dim) or num_v_heads % num_k_heads != 0:
         raise ValueError(f"q {tuple(q.shape)} / v {tuple(v.shape)} do not fit ssm_state {tuple(ssm_state.shape)}")
     g, beta, a, b, A_log, dt_bias = _gate_tensors(g, beta, gate_inputs, ssm_state.dtype)  # noqa: N806
+    if g.shape != (q.shape[0], v.shape[1]) or beta.shape != g.shape:
+        raise ValueError(f"gates {tuple(g.shape)} / {tuple(beta.shape)} must be [T, HV] = {(q.shape[0], v.shape[1])}")
     if any(x.stride(-1) != 1 for x in (q, k, v, g, beta, ssm_state)) or k.shape != q.shape:
         raise ValueError("q, k, v, g, beta, ssm_state need a unit last stride; k must match q")
     out = torch.empty(num_tokens, num_v_heads, head_v_dim, dtype=v.dtype, device=v.device)  # the kernel fills all

@@ -36,20 +36,20 @@ def act_mul_torch(a: torch.Tensor, b: torch.Tensor, activation: str) -> torch.Te
     return get_activation(activation)(a) * b
 
 
-def _can_fuse(a: torch.Tensor, b: torch.Tensor, activation: str) -> bool:
+def can_use_act_mul_kernel(a: torch.Tensor, b: torch.Tensor, activation: str) -> bool:
     return use_kernels(a) and activation in KERNEL_ACTIVATIONS and a.stride(-1) == 1 and b.stride(-1) == 1
 
 
 def act_and_mul(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
     """[T, 2 * I] output of a merged gate/up projection -> act(gate) * up [T, I]."""
     gate, up = gate_up.chunk(2, dim=-1)
-    if _can_fuse(gate, up, activation):
+    if can_use_act_mul_kernel(gate, up, activation):
         return kernels().act_mul(gate, up, activation)
     return act_mul_torch(gate, up, activation)
 
 
 def sigmoid_gate(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     """x * sigmoid(gate) for x, gate of one shape ([T, H, D]; gate may be a strided view)."""
-    if _can_fuse(gate, x, "sigmoid"):
+    if can_use_act_mul_kernel(gate, x, "sigmoid"):
         return kernels().act_mul(gate, x, "sigmoid")
     return x * torch.sigmoid(gate)

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from truespec.layers.activation import KERNEL_ACTIVATIONS, act_and_mul
+from truespec.layers.activation import act_and_mul, can_use_act_mul_kernel
 from truespec.layers.backend import kernels, use_kernels
 
 _SUFFIXES = ("weight", "bias")
@@ -55,7 +55,7 @@ def _is_skinny(x: torch.Tensor, weight: torch.Tensor) -> bool:
 def _act_and_linear(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, act: str) -> torch.Tensor:
     """``linear(act_and_mul(gate_up, act), weight, bias)``. Where those two steps would be the act_mul kernel
     and the skinny kernel, one skinny launch computes act(gate) * up as it reads the row (bitwise the same)."""
-    if _is_skinny(gate_up, weight) and act in KERNEL_ACTIVATIONS and gate_up.stride(-1) == 1:
+    if _is_skinny(gate_up, weight) and can_use_act_mul_kernel(*gate_up.chunk(2, dim=-1), act):
         return kernels().skinny_matmul(gate_up, weight, bias, input_act=act)
     return linear(act_and_mul(gate_up, act), weight, bias)
 
