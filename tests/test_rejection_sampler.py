@@ -8,14 +8,17 @@ them (a accepted drafts, then a correction or bonus token); the next steps would
 from the target, so the test completes each draw with independent samples of p_{a+1}, ..., p_d and
 checks, with chi-square tests on seeded draws, the marginal of the first token, the joint of the
 first two, and the joint of all 1 + d (which covers the second token given an accepted first draft).
+Each check runs on the per-row reference ``rejection_sample`` and on the engine's device sampler
+(``rejection_sample_draws`` + ``emitted_tokens``).
 """
 
 import itertools
+from collections.abc import Callable
 
 import pytest
 import torch
 
-from truespec.layers.rejection_sampler import rejection_sample
+from truespec.layers.rejection_sampler import emitted_tokens, rejection_sample, rejection_sample_draws
 from truespec.layers.sampler import probabilities
 from truespec.sampling_params import SamplingParams
 
@@ -43,8 +46,18 @@ def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
     return float(torch.special.gammaincc(df, stat / 2))
 
 
+def device_sample(logits: torch.Tensor, drafts: list[int], draft_probs: torch.Tensor | None,
+                  params: SamplingParams, g: torch.Generator) -> list[int]:
+    """The engine's path: every draw on the device, then the host reads them once."""
+    return emitted_tokens(drafts, rejection_sample_draws(logits, drafts, draft_probs, params, g).tolist())
+
+
+SAMPLERS = {"reference": rejection_sample, "device": device_sample}
+Sampler = Callable[..., list[int]]
+
+
 def draws(logits: torch.Tensor, params: SamplingParams, draft_probs: torch.Tensor | None,
-          fixed_drafts: list[int] | None, seed: int) -> torch.Tensor:
+          fixed_drafts: list[int] | None, seed: int, sampler: Sampler = rejection_sample) -> torch.Tensor:
     """[N, 1 + D] token sequences: each verify's emitted tokens, completed from the target's rows."""
     g = torch.Generator().manual_seed(seed)
     target = torch.stack([probabilities(row, params) for row in logits])  # [1 + D, V]
@@ -54,7 +67,7 @@ def draws(logits: torch.Tensor, params: SamplingParams, draft_probs: torch.Tenso
         drafts = [fixed_drafts] * N
     seqs = torch.multinomial(target, N, replacement=True, generator=g).T.clone()  # the later steps' samples
     for i in range(N):
-        tokens = rejection_sample(logits, drafts[i], draft_probs, params, g)
+        tokens = sampler(logits, drafts[i], draft_probs, params, g)
         seqs[i, :len(tokens)] = torch.tensor(tokens)
     return seqs
 
@@ -83,25 +96,82 @@ def drafter_probs(seed: int) -> torch.Tensor:
     return torch.softmax(torch.randn(D, V, generator=g, dtype=torch.float64) * 1.5, dim=-1)  # [D, V], q != p
 
 
-def test_drafter_distribution_random_sampling() -> None:
+@pytest.mark.parametrize("sampler", SAMPLERS)
+def test_drafter_distribution_random_sampling(sampler: str) -> None:
     logits, params, q = case_logits(0, 1.0), SamplingParams(temperature=1.0), drafter_probs(1)
     target = torch.stack([probabilities(row, params) for row in logits])
-    assert_distributed_as_target(draws(logits, params, q, None, seed=2), target)
+    assert_distributed_as_target(draws(logits, params, q, None, seed=2, sampler=SAMPLERS[sampler]), target)
 
 
-def test_ngram_one_hot_drafts_random_sampling() -> None:
+@pytest.mark.parametrize("sampler", SAMPLERS)
+def test_ngram_one_hot_drafts_random_sampling(sampler: str) -> None:
     logits, params = case_logits(3, 1.0), SamplingParams(temperature=1.0)
     target = torch.stack([probabilities(row, params) for row in logits])
     drafts = [int(torch.argsort(target[i])[-2]) for i in range(D)]  # the second most likely: often rejected
-    assert_distributed_as_target(draws(logits, params, None, drafts, seed=4), target)
+    assert_distributed_as_target(draws(logits, params, None, drafts, seed=4, sampler=SAMPLERS[sampler]), target)
 
 
-def test_drafter_distribution_with_temperature_and_top_p() -> None:
+@pytest.mark.parametrize("sampler", SAMPLERS)
+def test_drafter_distribution_with_temperature_and_top_p(sampler: str) -> None:
     logits, params, q = case_logits(5, 1.5), SamplingParams(temperature=0.7, top_p=0.9), drafter_probs(6)
     target = torch.stack([probabilities(row, params) for row in logits])
     assert (target == 0).any(dim=-1).all()  # top-p cuts tokens in every row
     assert (q[target[:D] == 0] > 0.01).any()  # the drafter proposes tokens the target can never emit
-    assert_distributed_as_target(draws(logits, params, q, None, seed=7), target)
+    assert_distributed_as_target(draws(logits, params, q, None, seed=7, sampler=SAMPLERS[sampler]), target)
+
+
+@pytest.mark.parametrize("drafter", ["sampled", "ngram"])
+def test_device_sampler_with_top_k_and_min_p(drafter: str) -> None:
+    params = SamplingParams(temperature=0.8, top_k=4, min_p=0.05)
+    logits = case_logits(10, 2.0)
+    target = torch.stack([probabilities(row, params) for row in logits])
+    assert (target == 0).any(dim=-1).all()  # top-k cuts tokens in every row
+    q = drafter_probs(11) if drafter == "sampled" else None
+    drafts = None if q is not None else [int(torch.argsort(target[i])[-2]) for i in range(D)]
+    assert_distributed_as_target(draws(logits, params, q, drafts, seed=12, sampler=device_sample), target)
+
+
+@pytest.mark.parametrize("drafter", ["sampled", "ngram"])
+def test_device_sampler_accepts_at_the_theoretical_rate(drafter: str) -> None:
+    """P(draft i accepted | drafts before it accepted) = sum_x min(p_i(x), q_i(x)) for x_i ~ q_i (Leviathan et al.,
+    Theorem 3.5), = p_i(x_i) for a one-hot draft; the rows don't depend on the drafts, so the count of leading
+    accepts is a product of these. Checked per position within 4 standard errors of the binomial."""
+    params = SamplingParams(temperature=1.0, top_p=0.95)
+    logits = case_logits(13, 1.0)
+    target = torch.stack([probabilities(row, params) for row in logits])
+    q = drafter_probs(14) if drafter == "sampled" else None
+    if q is None:
+        fixed = [int(torch.argsort(target[i])[-2]) for i in range(D)]
+        rates = [float(target[i, fixed[i]]) for i in range(D)]
+    else:
+        rates = [float(torch.minimum(target[i], q[i]).sum()) for i in range(D)]
+    g = torch.Generator().manual_seed(15)
+    trials = 10_000
+    drafts = [fixed] * trials if q is None else torch.multinomial(q, trials, replacement=True, generator=g).T.tolist()
+    accepted = torch.tensor([len(device_sample(logits, x, q, params, g)) - 1 for x in drafts])
+    for i in range(D):
+        reached = int((accepted >= i).sum())
+        passed = int((accepted >= i + 1).sum())
+        stderr = (rates[i] * (1 - rates[i]) / reached) ** 0.5
+        assert abs(passed / reached - rates[i]) < 4 * stderr, (i, passed / reached, rates[i])
+
+
+def test_device_sampler_is_seeded_and_fixed_length() -> None:
+    """Same generator seed -> same tokens; and every call consumes the same amount of the stream whatever is
+    accepted, so the next call's draws depend only on the request's own drafts."""
+    logits, params, q = case_logits(16, 1.0), SamplingParams(temperature=1.0), drafter_probs(17)
+    runs = []
+    for _ in range(2):
+        g = torch.Generator().manual_seed(18)
+        runs.append([device_sample(logits, [t % V, (t + 1) % V], q, params, g) for t in range(50)])
+    assert runs[0] == runs[1]
+    assert len({len(tokens) for tokens in runs[0]}) > 1  # both accepts and rejects happened
+    after = []
+    for drafts in ([0, 1], [5, 5]):  # other drafts and outcomes, the same amount of the stream used
+        g = torch.Generator().manual_seed(19)
+        rejection_sample_draws(logits[:1 + len(drafts)], drafts, q, params, g)
+        after.append(torch.rand(4, generator=g, dtype=torch.float64))
+    assert torch.equal(after[0], after[1])
 
 
 @pytest.mark.parametrize("with_probs", [False, True])

@@ -14,7 +14,7 @@ from truespec.engine.scheduler import ScheduledSeq
 from truespec.engine.sequence import Sequence
 from truespec.engine.state_manager import StateManager
 from truespec.engine.stop_checker import StopChecker
-from truespec.layers.rejection_sampler import greedy_verify, rejection_sample
+from truespec.layers.rejection_sampler import emitted_tokens, greedy_verify, rejection_sample_draws
 
 
 @dataclass
@@ -35,7 +35,10 @@ class LaunchedStep:
     spans: list[tuple[int, int]] = field(default_factory=list)  # per request: (first logits row, rows)
     raw: dict[int, torch.Tensor] = field(default_factory=dict)  # log-softmax rows of logprobs requests
     argmax: torch.Tensor | None = None  # [rows] on the device: the greedy tokens
-    argmax_host: torch.Tensor | None = None  # its copy on the host (pinned; valid once ``done``)
+    # on the host (pinned; valid once ``done``): ``argmax`` if any request is greedy, then each random request's
+    # draws (``rejection_sample_draws``); ``offsets``: per request, where its values start in it
+    values_host: torch.Tensor | None = None
+    offsets: list[int] = field(default_factory=list)
     done: "torch.cuda.Event | None" = None
 
 
@@ -101,35 +104,49 @@ class ModelRunner:
                     if banned:
                         logits[row + i, banned] = float("-inf")
             row += n
-        if any(s.seq.params.is_greedy for s in scheduled):
-            # one argmax over the batch, copied to the host behind an event: no per-request sync, and the
-            # host may queue the next step before this one ends
-            step.argmax = logits.argmax(dim=-1)
-            step.argmax_host = step.argmax.to("cpu", non_blocking=True)
+        self._queue_tokens(step)
+        return step
+
+    def _queue_tokens(self, step: "LaunchedStep") -> None:
+        """Queue every request's tokens on the device (one argmax over the batch for the greedy ones, the draws of
+        each random one with its own generator) and one copy of them all to the host behind an event: no
+        per-request sync, and the host may queue the next step before this one ends."""
+        values = []
+        if any(s.seq.params.is_greedy for s in step.scheduled):
+            step.argmax = step.logits.argmax(dim=-1)
+            values.append(step.argmax)
+        offset = len(step.logits) if values else 0
+        for s, (start, n) in zip(step.scheduled, step.spans, strict=True):
+            if n == 0 or s.seq.params.is_greedy:
+                step.offsets.append(start)
+                continue
+            values.append(rejection_sample_draws(step.logits[start:start + n], s.draft_token_ids, s.seq.draft_probs,
+                                                 s.seq.params, self._generator(s.seq)))
+            step.offsets.append(offset)
+            offset += len(values[-1])
+        if values:
+            step.values_host = torch.cat(values).to("cpu", non_blocking=True)
             if self.device.type == "cuda":  # on this device's stream, also when another device is current
                 step.done = torch.cuda.Event()
                 step.done.record(torch.cuda.current_stream(self.device))
-        return step
 
     @torch.inference_mode()
     def collect(self, step: "LaunchedStep") -> StepOutput:
         """Wait for a launched step; per request, its accepted drafts and new token (greedy or sampled)."""
         if step.done is not None:
             step.done.synchronize()
-        argmax = step.argmax_host.tolist() if step.argmax_host is not None else []
-        out, logits = step.output, step.logits
-        for s, (start, n) in zip(step.scheduled, step.spans, strict=True):
+        values = step.values_host.tolist() if step.values_host is not None else []  # the step's one host read
+        out = step.output
+        for s, (start, n), at in zip(step.scheduled, step.spans, step.offsets, strict=True):
             seq = s.seq
             if n == 0:
                 out.tokens.append([])
                 out.logprobs.append(None)
                 continue
-            if seq.params.is_greedy:
-                tokens = greedy_verify(s.draft_token_ids, argmax[start:start + n])
-            else:
-                probs = None if seq.draft_probs is None else seq.draft_probs[:n - 1]
-                tokens = rejection_sample(logits[start:start + n], s.draft_token_ids, probs, seq.params,
-                                          self._generator(seq))
+            if seq.params.is_greedy:  # the argmax of its 1 + d rows
+                tokens = greedy_verify(s.draft_token_ids, values[at:at + n])
+            else:  # its d accept flags and 1 + d samples
+                tokens = emitted_tokens(s.draft_token_ids, values[at:at + 2 * n - 1])
             out.tokens.append(tokens)
             if seq.params.logprobs is None:
                 out.logprobs.append(None)

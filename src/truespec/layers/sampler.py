@@ -1,6 +1,6 @@
 """The distribution a request samples from: temperature, top-k, top-p, min-p.
 
-Tokens are drawn in ``rejection_sampler.py`` (with or without drafts), row by row with each request's
+Tokens are drawn in ``rejection_sampler.py`` (with or without drafts), on the device with each request's
 own generator, so a seeded request draws the same tokens whatever else is in the batch (invariant 1).
 """
 
