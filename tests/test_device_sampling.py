@@ -117,3 +117,23 @@ def test_random_sampling_reads_the_host_once_per_step(tiny_models: dict[str, Pat
     print(per_step)
     assert {c for _, c in per_step[1] + per_step[8]} == {1}, per_step  # collect: one .tolist() of all the tokens
     assert max(per_step[8]) == max(per_step[1]), per_step  # launch: none per random request
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_random_sampling_with_graphs_is_seeded_and_reads_the_host_once_per_step() -> None:
+    """On CUDA (device generators, graphs FULL, float32 with TF32 off, ngram k=3): seeded random requests mixed
+    with greedy ones give the same tokens in another order, and ``collect`` reads the host once per step."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    config = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    llm = LLM(dtype="float32", device="cuda", max_model_len=512, speculative_config=config,
+              compilation_config={"cudagraph_mode": "FULL"})
+    prompts = repetitive_prompts([5, 31, 12, 44, 20, 9, 27, 16], seed=31)
+    params = mixed_params(len(prompts))
+    together = generate(llm, prompts, params)
+    order = [3, 0, 5, 1, 7, 4, 2, 6]
+    reordered = generate(llm, [prompts[i] for i in order], [params[i] for i in order])
+    assert [reordered[order.index(i)] for i in range(len(prompts))] == together
+    assert llm.get_metrics()["num_drafts"] > 0 and len({tuple(t) for t in together}) == len(prompts)
+    reads = host_reads_per_step(llm, prompts, params)
+    assert {c for _, c in reads} == {1}, reads
