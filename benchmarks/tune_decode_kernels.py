@@ -3,8 +3,10 @@ Qwen3.5-0.8B GDN shape (16 k-heads, 16 v-heads, dk = dv = 128, conv over 6144 ch
 
 Each variant is checked against the default configuration (max abs difference) and timed with
 ``triton.testing.do_bench_cudagraph`` (replays of a captured graph: no Python launch overhead, as in the engine).
-GB/s counts the bytes a step must move: fp32 state read + every written state, the q/k/v/g/beta inputs and the
-output.
+The recurrence runs as the engine calls it (``layers/gdn.py``): with ``gate_inputs=GateInputs(a, b, A_log, dt_bias)``,
+the gates computed in the kernel from a, b (strided column slices of one projection output, in the model dtype).
+GB/s counts the bytes a step must move: fp32 state read + every written state, the q/k/v and a/b/A_log/dt_bias
+inputs and the output.
 
     python3 benchmarks/tune_decode_kernels.py [--batch-sizes 1 8 32 128] [--query-len 1]
 """
@@ -15,7 +17,7 @@ import itertools
 import torch
 import triton
 
-from truespec.kernels import causal_conv1d, gdn_recurrent
+from truespec.kernels import GateInputs, causal_conv1d, gdn_recurrent
 
 HK, HV, DK, DV, CONV_K = 16, 16, 128, 128, 4
 
@@ -27,24 +29,33 @@ def _metadata(num_reqs: int, query_len: int, device: str) -> tuple[torch.Tensor,
     return qsl, src, dst, torch.zeros(num_reqs, dtype=torch.long, device=device)
 
 
+def _nbytes(*tensors: torch.Tensor) -> int:
+    return sum(x.numel() * x.element_size() for x in tensors)
+
+
 def tune_gdn(num_reqs: int, query_len: int) -> list[tuple[str, float, float, float]]:
     t, dev = num_reqs * query_len, "cuda"
     q, k = torch.randn(t, HK, DK, device=dev, dtype=torch.bfloat16), torch.randn(t, HK, DK, device=dev).bfloat16()
     v = torch.randn(t, HV, DV, device=dev, dtype=torch.bfloat16)
-    g, beta = -torch.rand(t, HV, device=dev), torch.rand(t, HV, device=dev)
+    b_a = torch.randn(t, 2 * HV, device=dev, dtype=torch.bfloat16)  # b, a: adjacent columns of in_proj's output
+    A_log = torch.empty(HV, device=dev).uniform_(1, 16).log().bfloat16()  # noqa: N806
+    gates = GateInputs(b_a[:, HV:], b_a[:, :HV], A_log, torch.rand(HV, device=dev, dtype=torch.bfloat16))
     state = torch.randn(num_reqs * (1 + query_len), HV, DK, DV, device=dev) * 0.1
     meta = _metadata(num_reqs, query_len, dev)
-    nbytes = num_reqs * HV * DK * DV * 4 * (1 + query_len) + 3 * q.numel() * 2 + 2 * v.numel() * 2
-    ref = gdn_recurrent(q, k, v, g, beta, state.clone(), *meta)
+
+    def run(ssm_state: torch.Tensor, **tuning: int) -> torch.Tensor:
+        return gdn_recurrent(q, k, v, None, None, ssm_state, *meta, gate_inputs=gates, **tuning)
+
+    ref = run(state.clone())
+    state_bytes = num_reqs * (1 + query_len) * _nbytes(state[0])  # each request's source read, each kept state
+    nbytes = state_bytes + _nbytes(q, k, v, ref, gates.a, gates.b, gates.A_log, gates.dt_bias)
     rows = []
     for block_v, warps in itertools.product((8, 16, 32, 64), (1, 2, 4, 8)):
         if block_v * DK // (32 * warps) < 4:
             continue
-        out = gdn_recurrent(q, k, v, g, beta, state.clone(), *meta, block_v=block_v, num_warps=warps)
+        out = run(state.clone(), block_v=block_v, num_warps=warps)
         err = (out.float() - ref.float()).abs().max().item()
-        ms = triton.testing.do_bench_cudagraph(
-            lambda bv=block_v, w=warps: gdn_recurrent(q, k, v, g, beta, state, *meta, block_v=bv, num_warps=w)
-        )
+        ms = triton.testing.do_bench_cudagraph(lambda bv=block_v, w=warps: run(state, block_v=bv, num_warps=w))
         rows.append((f"BV={block_v} warps={warps}", ms * 1e3, nbytes / ms / 1e6, err))
     return rows
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"  # before truespec.kernels is imported: see tests/test_kernels.py
+    os.environ["TRITON_INTERPRET"] = "1"  # before truespec.kernels is imported: see tests/kernel_helpers.py
 
 pytest.importorskip("triton")
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-if not torch.cuda.is_available():  # the kernels run in Triton's interpreter (see tests/test_kernels.py)
+if not torch.cuda.is_available():  # the kernels run in Triton's interpreter (see tests/kernel_helpers.py)
     os.environ["TRITON_INTERPRET"] = "1"
 
 from truespec import LLM, SamplingParams  # noqa: E402

@@ -12,11 +12,11 @@ import pytest
 import torch
 
 if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"  # before truespec.kernels is imported: see tests/test_kernels.py
+    os.environ["TRITON_INTERPRET"] = "1"  # before truespec.kernels is imported: see tests/kernel_helpers.py
 
 triton = pytest.importorskip("triton")
 
-from test_kernels import DEVICE, NUM_PAD_TOKENS, assert_near, gpu, i64, needs_cuda, paged_batch, randn  # noqa: E402
+from kernel_helpers import DEVICE, NUM_PAD_TOKENS, assert_near, gpu, i64, needs_cuda, paged_batch, randn  # noqa: E402
 from truespec.kernels.paged_attention import (  # noqa: E402
     BLOCK_N,
     MAX_SPLITS,

@@ -134,7 +134,7 @@ class GatedDeltaNet(nn.Module):
         return self.out_proj(core)
 
     def _forward_kernels(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        """The same layer through the Triton kernels: no host sync, graph-safe (tests/test_kernels.py). A decode
+        """The same layer through the Triton kernels: no host sync, graph-safe (tests/test_gdn_kernels.py). A decode
         step launches 6 kernels: in_proj, conv window gather, conv, recurrence (gates fused), gated norm, out_proj."""
         k_ops = kernels()
         meta = (ctx.query_start_loc, ctx.state_src, ctx.state_dst, ctx.state_write_start)
