@@ -168,8 +168,8 @@ def gdn_recurrent(
     if ssm_state.shape[1:] != (num_v_heads, head_k_dim, head_v_dim) or num_v_heads % num_k_heads != 0:
         raise ValueError(f"q {tuple(q.shape)} / v {tuple(v.shape)} do not fit ssm_state {tuple(ssm_state.shape)}")
     g, beta, a, b, A_log, dt_bias = _gate_tensors(g, beta, gate_inputs, ssm_state.dtype)  # noqa: N806
-    if g.shape != (q.shape[0], v.shape[1]) or beta.shape != g.shape:
-        raise ValueError(f"gates {tuple(g.shape)} / {tuple(beta.shape)} must be [T, HV] = {(q.shape[0], v.shape[1])}")
+    if g.shape != (num_tokens, num_v_heads) or beta.shape != g.shape:
+        raise ValueError(f"gates {tuple(g.shape)} / {tuple(beta.shape)} must be [T, HV] = {(num_tokens, num_v_heads)}")
     if any(x.stride(-1) != 1 for x in (q, k, v, g, beta, ssm_state)) or k.shape != q.shape:
         raise ValueError("q, k, v, g, beta, ssm_state need a unit last stride; k must match q")
     out = torch.empty(num_tokens, num_v_heads, head_v_dim, dtype=v.dtype, device=v.device)  # the kernel fills all
