@@ -15,8 +15,10 @@ import time
 
 import torch
 
-from truespec import LLM, SamplingParams
-from truespec.engine.graph_runner import GraphRunner
+from truespec import LLM, RequestOutputKind, SamplingParams
+from truespec.worker.graph_runner import GraphRunner
+
+FINAL_ONLY = RequestOutputKind.FINAL_ONLY  # as LLM.generate: no per-step outputs to build
 
 
 def host_ms_per_step(model: str, batch_size: int, steps: int, profile: bool, prompt_len: int = 64) -> float:
@@ -25,7 +27,7 @@ def host_ms_per_step(model: str, batch_size: int, steps: int, profile: bool, pro
     gen = torch.Generator().manual_seed(0)
     for _ in range(batch_size):
         ids = torch.randint(10, 2000, (prompt_len,), generator=gen).tolist()
-        params = SamplingParams(temperature=0, max_tokens=steps + 64, ignore_eos=True)
+        params = SamplingParams(temperature=0, max_tokens=steps + 64, ignore_eos=True, output_kind=FINAL_ONLY)
         engine.add_request({"prompt_token_ids": ids}, params)
     while any(s.num_computed_tokens < s.prompt_len for s in engine.seqs.values()):
         engine.step()

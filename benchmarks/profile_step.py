@@ -9,7 +9,9 @@ import argparse
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from truespec import LLM, SamplingParams
+from truespec import LLM, RequestOutputKind, SamplingParams
+
+FINAL_ONLY = RequestOutputKind.FINAL_ONLY  # as LLM.generate: no per-step outputs to build
 
 
 def main() -> None:
@@ -28,7 +30,8 @@ def main() -> None:
     llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
     engine = llm.llm_engine
     for p in prompts:
-        engine.add_request(p, SamplingParams(temperature=0, max_tokens=args.steps + 2, ignore_eos=True))
+        engine.add_request(p, SamplingParams(temperature=0, max_tokens=args.steps + 2, ignore_eos=True,
+                                             output_kind=FINAL_ONLY))
     while any(s.num_computed_tokens < s.prompt_len for s in engine.seqs.values()):
         engine.step()  # every prefill chunk, outside the profile
     torch.cuda.synchronize()

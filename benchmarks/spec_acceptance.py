@@ -1,5 +1,5 @@
 """Acceptance of every speculative method on the embedded model's held-out prompts, and edit accuracy at
-BS=1 vs BS=8 (the CONTEXT.md failure: it must not move).
+BS=1 vs BS=8 (the failure of vLLM #40738, where a mixed batch corrupted the recurrent state: it must not move).
 
     python benchmarks/spec_acceptance.py --per-kind 8 --out benchmarks/results/spec_acceptance_cpu.json
 

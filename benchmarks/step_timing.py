@@ -15,7 +15,9 @@ import time
 
 import torch
 
-from truespec import LLM, SamplingParams
+from truespec import LLM, RequestOutputKind, SamplingParams
+
+FINAL_ONLY = RequestOutputKind.FINAL_ONLY  # as LLM.generate: no per-step outputs to build
 
 
 def _decode_ready(llm: LLM, batch_size: int, input_len: int, max_tokens: int) -> None:
@@ -25,7 +27,7 @@ def _decode_ready(llm: LLM, batch_size: int, input_len: int, max_tokens: int) ->
     for _ in range(batch_size):
         ids = torch.randint(10, 2000, (input_len,), generator=gen).tolist()
         engine.add_request({"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=max_tokens,
-                                                                      ignore_eos=True))
+                                                                      ignore_eos=True, output_kind=FINAL_ONLY))
     while any(s.num_computed_tokens < s.prompt_len for s in engine.seqs.values()):
         engine.step()
     torch.cuda.synchronize()
@@ -36,7 +38,7 @@ def measure(llm: LLM, batch_size: int, input_len: int, steps: int) -> dict[str, 
     _decode_ready(llm, batch_size, input_len, 4 * steps + 8)
     wall = {}
     for overlap in (False, True):
-        engine._async = overlap  # a benchmark-only switch of the engine's async_scheduling
+        engine.overlap.enabled = overlap  # a benchmark-only switch of the engine's async_scheduling
         engine.step()
         start = time.perf_counter()
         for _ in range(steps):

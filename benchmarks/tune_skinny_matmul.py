@@ -15,7 +15,7 @@ import torch
 import triton
 from triton.testing import do_bench_cudagraph
 
-from truespec.kernels.skinny_matmul import skinny_matmul, skinny_matmul_ref
+from truespec.kernels import skinny_matmul, skinny_matmul_ref
 
 # (name, N, K, launches per step) of the 0.8B shape: 6 attention layers, 18 GDN layers, 24 MLPs, tied lm_head
 SHAPES = [("attn qkv", 5120, 1024, 6), ("attn o", 1024, 2048, 6), ("mlp gate_up", 7168, 1024, 24),

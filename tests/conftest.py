@@ -13,14 +13,14 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-from engine_utils import save_tokenizer
+from helpers import VOCAB_SIZE
+from helpers.tokenizer import save_tokenizer
 
 # One thread: on the 2-core CI machine, torch's thread pool contending with itself makes tests ~20x slower.
 torch.set_num_threads(1)
 
-VOCAB = 320
 # Large init so tiny random models give varied, low-margin-free greedy continuations.
-COMMON = dict(vocab_size=VOCAB, max_position_embeddings=1024, eos_token_id=None, initializer_range=0.3)
+COMMON = dict(vocab_size=VOCAB_SIZE, max_position_embeddings=1024, eos_token_id=None, initializer_range=0.3)
 
 
 def _hybrid() -> torch.nn.Module:
@@ -56,7 +56,7 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         torch.manual_seed(0)
         model = build().to(torch.float64).eval()
         model.save_pretrained(root / name)
-        save_tokenizer(root / name, VOCAB - 8)
+        save_tokenizer(root / name, VOCAB_SIZE - 8)
         dirs[name] = root / name
     return dirs
 
@@ -83,7 +83,7 @@ def _random_eagle_head(out: Path, target_config: object) -> None:
     from truespec.models.eagle import EagleHead, save_eagle_head
 
     layer = Qwen3Config(hidden_size=target_config.hidden_size, intermediate_size=40, num_attention_heads=2,
-                        num_key_value_heads=1, head_dim=12, vocab_size=VOCAB, max_position_embeddings=1024)
+                        num_key_value_heads=1, head_dim=12, vocab_size=VOCAB_SIZE, max_position_embeddings=1024)
     torch.manual_seed(2)
     head = EagleHead(layer, target=None).to(torch.float64)
     for name, p in head.named_parameters():

@@ -1,4 +1,4 @@
-"""Async scheduling (engine/llm_engine.py ``_launch_next``): queueing step N+1 before step N's tokens are read
+"""Async scheduling (engine/async_scheduler.py): queueing step N+1 before step N's tokens are read
 changes no output, finish reason or text, in any batch mix, and leaks nothing, also when a request stops, is
 aborted or a step fails while the next one is queued."""
 
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from test_engine_exactness import random_prompts
+from helpers.engine import random_prompts
 from truespec import LLM, SamplingParams
 
 
@@ -24,7 +24,7 @@ def assert_all_free(llm: LLM) -> None:
     info = llm.cache_info()
     assert info["num_free_blocks"] == info["num_blocks"]
     assert info["num_free_state_slots"] == info["num_state_slots"]
-    assert llm.llm_engine._inflight is None
+    assert llm.llm_engine.overlap.inflight is None
 
 
 def stopping_params(reference: list[list[int]], lengths: list[int]) -> list[SamplingParams]:
@@ -50,7 +50,7 @@ def test_async_changes_no_output_and_overlaps(tiny_models: dict[str, Path], name
     reference = run(sync, prompts, params)
     llm = make_llm(tiny_models, True, name)
     assert run(llm, prompts, params) == reference
-    assert llm.llm_engine.num_async_steps > 10  # the overlap really ran
+    assert llm.llm_engine.overlap.num_async_steps > 10  # the overlap really ran
     assert any(reason == "stop" for _, reason, _ in reference)  # some stopped while a step was queued
     assert_all_free(llm)
 
@@ -76,8 +76,8 @@ def test_async_with_sampled_requests_kv_pressure_and_arrivals(tiny_models: dict[
     while engine.has_unfinished_requests():
         if step in (3, 5, 9, 14, 20):
             ids.append(engine.add_request(prompts[len(ids)], greedy))
-        for seq in engine.step():
-            outputs[seq.request_id] = seq.output_token_ids
+        for out in engine.step():  # cumulative outputs: the last one holds every token
+            outputs[out.request_id] = out.outputs[0].token_ids
         step += 1
     assert [outputs[i] for i in ids] == [t for t, _, _ in only_greedy]
     assert_all_free(llm)
@@ -91,7 +91,7 @@ def test_async_overlaps_while_requests_wait_for_a_full_batch(tiny_models: dict[s
     reference = run(make_llm(tiny_models, False, max_num_seqs=3), prompts, params)
     llm = make_llm(tiny_models, True, max_num_seqs=3)
     assert run(llm, prompts, params) == reference
-    assert llm.llm_engine.num_async_steps > 20
+    assert llm.llm_engine.overlap.num_async_steps > 20
     assert_all_free(llm)
 
 
@@ -105,7 +105,7 @@ def test_abort_while_a_step_is_queued(tiny_models: dict[str, Path]) -> None:
     seqs = [engine.seqs[i] for i in ids]
     for _ in range(6):
         engine.step()
-    assert engine._inflight is not None
+    assert engine.overlap.inflight is not None
     engine.abort_request(ids[1])
     while engine.has_unfinished_requests():
         engine.step()
@@ -129,7 +129,7 @@ def test_failure_while_a_step_is_queued_changes_no_output(tiny_models: dict[str,
     seqs = [engine.seqs[i] for i in ids]
     for _ in range(5):
         engine.step()
-    assert engine._inflight is not None
+    assert engine.overlap.inflight is not None
     real = getattr(runner, where)
 
     def fail(*args: object, **kwargs: object) -> object:
@@ -140,7 +140,7 @@ def test_failure_while_a_step_is_queued_changes_no_output(tiny_models: dict[str,
     with pytest.raises(RuntimeError, match="injected"):
         engine.step()
     monkeypatch.undo()
-    assert engine._inflight is None and all(-1 not in s.output_token_ids for s in seqs)
+    assert engine.overlap.inflight is None and all(-1 not in s.output_token_ids for s in seqs)
     while engine.has_unfinished_requests():
         engine.step()
     assert [s.output_token_ids for s in seqs] == reference

@@ -9,6 +9,7 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
+import torch
 from transformers import AutoModelForCausalLM
 
 from truespec import LLM, SamplingParams
@@ -41,6 +42,9 @@ def test_bench_reports_positive_throughput_per_batch_size(tmp_path: Path) -> Non
     assert [r["batch_size"] for r in rows] == [1, 2]
     assert [r["num_output_tokens"] for r in rows] == [4, 8]  # ignore_eos: every request decodes output_len
     assert all(r["output_tok_per_s"] > 0 and r["step_ms"] > 0 for r in rows)
+    # TTFT and TPOT from the requests' timestamps: the first token comes after arrival, and decoding 4 tokens
+    # takes 3 inter-token gaps, each shorter than the whole call
+    assert all(0 < r["ttft_ms"] < 1000 * r["elapsed_s"] and 0 < r["tpot_ms"] < 1000 * r["elapsed_s"] for r in rows)
 
 
 def test_random_prompts_are_seeded_and_skip_special_ids() -> None:
@@ -56,9 +60,16 @@ def test_tiny_qwen35_shape_loads_in_truespec_and_transformers(tiny_shape_dir: Pa
     assert config["model_type"] == "qwen3_5_text" and config["layer_types"] == ["linear_attention", "full_attention"]
     llm = LLM(str(tiny_shape_dir), dtype="float32", device="cpu", max_model_len=64)
     prompt = {"prompt_token_ids": [10, 3000, 20, 4000, 30]}  # ids beyond the tokenizer's 2048 are valid
-    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
-    assert len(out[0].outputs[0].token_ids) == 4
-    assert AutoModelForCausalLM.from_pretrained(tiny_shape_dir).config.vocab_size == config["vocab_size"]
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=5)
+    out = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+    hf = AutoModelForCausalLM.from_pretrained(tiny_shape_dir, dtype=torch.float32).eval()
+    assert hf.config.vocab_size == config["vocab_size"]
+    ref = hf.generate(torch.tensor([prompt["prompt_token_ids"]]), max_new_tokens=4, min_new_tokens=4, do_sample=False,
+                      output_logits=True, return_dict_in_generate=True)
+    assert out.token_ids == ref.sequences[0, 5:].tolist()
+    for logprobs, logits in zip(out.logprobs, ref.logits, strict=True):  # both float32: measured <= 5e-7
+        expected = torch.log_softmax(logits[0].double(), dim=-1)
+        assert all(abs(v - expected[t].item()) < 1e-5 for t, v in logprobs.items()), logprobs
 
 
 def test_vs_transformers_runs_both_engines(tiny_shape_dir: Path, tmp_path: Path,

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from test_spec_decode import generate, spec_llm
+from helpers.engine import generate, spec_llm
 from truespec import LLM, SamplingParams
 
 HOST_READS = ("tolist", "item", "cpu", "numpy", "__int__", "__float__", "__bool__", "__index__")

@@ -5,12 +5,12 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig
 
-from model_utils import transformers_in_float64
-from truespec.engine.context_builder import ContextRow, build_forward_context
+from helpers.models import transformers_in_float64
 from truespec.forward_context import set_forward_context
 from truespec.models.eagle import load_eagle_head, save_eagle_head
 from truespec.models.loader import load_model
 from truespec.training.eagle import EagleTrainHead, head_config
+from truespec.worker.input_builder import ContextRow, build_forward_context
 
 
 def test_served_head_equals_trained_head(tiny_models: dict[str, Path], tmp_path: Path) -> None:

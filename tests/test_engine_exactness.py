@@ -7,16 +7,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from helpers.engine import BATCH_LENGTHS, random_prompts
 from truespec import LLM, SamplingParams
 
 NUM_NEW = 48
 # transformers' own top-2 margin below which a greedy divergence is a tie, not a bug (issue 2).
 TIE_MARGIN = 1e-4
-
-
-def random_prompts(lengths: list[int], seed: int = 0, vocab: int = 300) -> list[dict]:
-    g = torch.Generator().manual_seed(seed)
-    return [{"prompt_token_ids": torch.randint(1, vocab, (n,), generator=g).tolist()} for n in lengths]
 
 
 def hf_greedy(model_dir: Path, prompt_ids: list[int], num_new: int) -> tuple[list[int], list[float]]:
@@ -49,9 +45,6 @@ def test_greedy_matches_transformers_generate(tiny_models: dict[str, Path], arch
             assert margins[i] < TIE_MARGIN, f"diverged at {i}: ours {ours[i]} vs {ref[i]}, margin {margins[i]:.3g}"
             excused += 1
     assert excused <= 1, f"{excused} near-tie divergences: the tiny models are not a meaningful check"
-
-
-BATCH_LENGTHS = [1, 2, 5, 17, 40, 64, 129, 200, 300]
 
 
 def solo_then_together(model_dir: Path, params: list[SamplingParams], **engine_kwargs: object):

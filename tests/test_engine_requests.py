@@ -1,11 +1,13 @@
 """Request lifecycle: stop conditions, accounting after finish / abort / preemption / errors (invariant 6),
 and bad input that fails alone while the same LLM keeps serving unchanged output."""
 
+import gc
+import weakref
 from pathlib import Path
 
 import pytest
 
-from test_engine_exactness import random_prompts
+from helpers.engine import random_prompts, set_eos_token_ids
 from truespec import LLM, SamplingParams
 from truespec.entrypoints.cli import main as cli_main
 
@@ -120,8 +122,7 @@ def test_eos_finishes_with_stop(tiny_models: dict[str, Path]) -> None:
     prompt = random_prompts([7], seed=3)
     tokens = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
                           use_tqdm=False)[0].outputs[0].token_ids
-    stop_checker = llm.llm_engine.stop_checker
-    stop_checker.eos_token_ids = {tokens[4]}
+    set_eos_token_ids(llm.llm_engine, {tokens[4]})
     out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=20), use_tqdm=False)[0].outputs[0]
     first = tokens.index(tokens[4])
     assert out.token_ids == tokens[:first + 1] and out.finish_reason == "stop"
@@ -206,3 +207,19 @@ def test_request_values_checked_against_the_model(llm: LLM, params: SamplingPara
 def test_bool_token_ids_rejected(llm: LLM) -> None:
     with pytest.raises(ValueError, match="prompt_token_ids"):
         llm.generate({"prompt_token_ids": [True, 2]}, GREEDY, use_tqdm=False)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_dropped_llm_frees_its_cache_at_once(tiny_models: dict[str, Path], async_scheduling: bool) -> None:
+    """No reference cycle keeps an engine and its caches alive once its LLM is dropped (a test run or a server that
+    replaces its LLM gets the memory back without waiting for the garbage collector)."""
+    llm = LLM(str(tiny_models["hybrid"]), dtype="float64", device="cpu", max_model_len=128,
+              async_scheduling=async_scheduling)
+    llm.generate(random_prompts([5, 9]), GREEDY, use_tqdm=False)
+    engine = weakref.ref(llm.llm_engine)
+    gc.disable()
+    try:
+        del llm
+        assert engine() is None
+    finally:
+        gc.enable()

@@ -5,7 +5,7 @@ Kernels: act_mul (SwiGLU's silu(gate) * up, gated attention's out * sigmoid(gate
 residual add fused into the next norm), qk_norm_rope (per-head q/k norm + partial neox RoPE of q and k),
 gdn_gating (GDN's g and beta). Inputs are random (never zero), ragged in their row counts, and strided
 the way the models pass them (views of one merged projection output). Without CUDA the kernels run in
-Triton's interpreter (see tests/kernel_helpers.py); ``@pytest.mark.gpu`` tests rerun them at Qwen3.5-0.8B sizes.
+Triton's interpreter (see tests/helpers/kernels.py); ``@pytest.mark.gpu`` tests rerun them at Qwen3.5-0.8B sizes.
 """
 
 import os
@@ -21,7 +21,7 @@ triton = pytest.importorskip("triton")
 import truespec.layers.activation as activation  # noqa: E402
 import truespec.layers.norm as norm  # noqa: E402
 import truespec.layers.rotary as rotary  # noqa: E402
-from model_utils import F, L, NaiveRunner, StepRequest, tiny_llama_config, tiny_qwen3_5_config, tiny_qwen3_config  # noqa: E402
+from helpers.models import F, L, NaiveRunner, StepRequest, tiny_llama_config, tiny_qwen3_5_config, tiny_qwen3_config  # noqa: E402
 from truespec.kernels import (  # noqa: E402
     act_mul,
     act_mul_ref,

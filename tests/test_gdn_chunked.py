@@ -14,14 +14,14 @@ import pytest
 import torch
 
 if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"  # before truespec.kernels is imported: see tests/kernel_helpers.py
+    os.environ["TRITON_INTERPRET"] = "1"  # before truespec.kernels is imported: see tests/helpers/kernels.py
 
 pytest.importorskip("triton")
 
 from truespec.kernels import gdn_chunked as chunked_mod  # noqa: E402
+from truespec.kernels import gdn_recurrent, gdn_recurrent_ref  # noqa: E402
 from truespec.kernels.gdn_chunked import gdn_chunked, is_available, split_requests  # noqa: E402
-from truespec.kernels.gdn_recurrent import gdn_recurrent, gdn_recurrent_ref  # noqa: E402
-from truespec.layers.precision import compute_dtype  # noqa: E402
+from truespec.ops.precision import compute_dtype  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 GROUP = 4  # state slots per request (1 + k_max)

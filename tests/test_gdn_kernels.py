@@ -1,12 +1,12 @@
 """Gated DeltaNet kernels (causal_conv1d with its gather_windows, gdn_recurrent with tensor or fused gates)
-against their torch references, which reuse the layer's own code: each request's state kept after each kept
-position (DESIGN.md invariant 2) and nowhere else, sources inside a request's own destination group read before
-they are overwritten, gates computed in-kernel bitwise as ``gdn_gating``'s, and the kernels together giving
+against their torch references, which are the layer's own code: each request's state kept after each kept
+position (docs/ARCHITECTURE.md, invariant 2) and nowhere else, sources inside a request's own destination group
+read before they are overwritten, gates computed in-kernel bitwise as ``gdn_gating``'s, and the kernels together giving
 ``GatedDeltaNet``'s output and states.
 
 Batches are ragged on purpose: plain decodes, 1+k verifies, prefill chunks continuing a state, fresh prefills,
 an empty query, trailing padding tokens and an inert row (state_dst -1), with random (never zero) inputs and
-states. Without CUDA the kernels run in Triton's interpreter (see tests/kernel_helpers.py), so shapes are tiny;
+states. Without CUDA the kernels run in Triton's interpreter (see tests/helpers/kernels.py), so shapes are tiny;
 ``@pytest.mark.gpu`` tests rerun them compiled at Qwen3.5-0.8B sizes.
 """
 
@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernel_helpers import (
+from helpers.kernels import (
     DEVICE,
     DTYPES,
     GPU_DTYPES,
@@ -44,7 +44,7 @@ from truespec.kernels import (
     gdn_recurrent_ref,
 )
 from truespec.layers.gdn import GatedDeltaNet
-from truespec.layers.precision import compute_dtype
+from truespec.ops.precision import compute_dtype
 
 # the module, not the function the package re-exports under the same name
 causal_conv1d_module = importlib.import_module("truespec.kernels.causal_conv1d")

@@ -6,8 +6,8 @@ speculation, ngram (some requests draft) and MTP (all draft), against the eager 
 output either equals the reference, or its first divergence falls where the reference's top-2 log-probability
 margin is < 1e-3 (a near tie that a different matmul shape may flip); the counts are printed for the closing
 note. The graph runs use async scheduling (CUDA's default; the reference asks for logprobs, so it never does),
-one per model without it. The same on a Qwen3.5-0.8B-shaped model with random weights, and the bf16 divergence
-rate (reported only).
+one per model without it. The same on a Qwen3.5-0.8B-shaped model with random weights, and in bf16, where a
+near tie is one within BF16_MARGIN.
 """
 
 import json
@@ -24,6 +24,12 @@ from truespec.assets import DEFAULT_MODEL_DIR
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 PROMPTS = Path(__file__).resolve().parents[1] / "benchmarks" / "prompts" / "heldout.jsonl"
 MARGIN = 1e-3
+# bf16 keeps 8 significant bits: a logit in [16, 32) is exact only to 2^-3 (the embedded model's greedy top logits
+# measured 7-24 on an H100, median 15). Graph replay pads steps to captured sizes, which may change matmul shapes
+# and with them the bf16 rounding of every layer, so two top logits within one ulp at logit scale may swap. The
+# reference's log-probabilities come from its bf16 logits (upcast), so its top-2 margin moves in bf16 steps too;
+# it was < 2^-3 at 33 of the 6682 positions (0.5%; H100), so the bound excuses only rare near ties.
+BF16_MARGIN = 2.0**-3
 MTP = {"method": "mtp", "num_speculative_tokens": 3}
 NGRAM = {"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_min": 2}
 
@@ -38,14 +44,14 @@ def run(model: str, prompts: list, dtype: str = "float32", logprobs: int | None 
     llm = LLM(model, dtype=dtype, device="cuda", max_model_len=1024, **kwargs)
     params = SamplingParams(temperature=0, max_tokens=256, logprobs=logprobs)
     outs = llm.generate(prompts, params, use_tqdm=False)
-    stats = dict(llm.llm_engine.runner.graphs.stats) | {"async": llm.llm_engine.num_async_steps}
+    stats = dict(llm.llm_engine.runner.graphs.stats) | {"async": llm.llm_engine.overlap.num_async_steps}
     del llm
     torch.cuda.empty_cache()
     return outs, stats
 
 
-def compare(reference: list, outs: list) -> tuple[int, int, int]:
-    """(identical, diverged at a near tie, diverged elsewhere)."""
+def compare(reference: list, outs: list, tie_margin: float = MARGIN) -> tuple[int, int, int]:
+    """(identical, diverged at a near tie (reference top-2 log-probability margin < tie_margin), diverged elsewhere)."""
     same = near_tie = bad = 0
     for ref, out in zip(reference, outs, strict=True):
         a, b = ref.outputs[0].token_ids, out.outputs[0].token_ids
@@ -57,7 +63,7 @@ def compare(reference: list, outs: list) -> tuple[int, int, int]:
             i = len(a) - 1
         top2 = sorted(ref.outputs[0].logprobs[i].values(), reverse=True)[:2]
         margin = top2[0] - top2[1] if len(top2) == 2 else float("inf")
-        near_tie, bad = near_tie + (margin < MARGIN), bad + (margin >= MARGIN)
+        near_tie, bad = near_tie + (margin < tie_margin), bad + (margin >= tie_margin)
     return same, near_tie, bad
 
 
@@ -125,13 +131,17 @@ def test_graphs_change_no_output_on_a_qwen35_08b_shaped_model(tmp_path: Path) ->
                                 ("FULL ngram k=8", {**full, "max_num_seqs": 32, "speculative_config": NGRAM})])
 
 
-def test_bf16_graph_divergence_rate_is_reported() -> None:
+def test_bf16_graph_divergences_are_near_ties() -> None:
     prompts = heldout_prompts(40)
-    eager, _ = run(str(DEFAULT_MODEL_DIR), prompts, dtype="bfloat16", enforce_eager=True, max_num_seqs=40)
+    reference, eager_stats = run(str(DEFAULT_MODEL_DIR), prompts, dtype="bfloat16", logprobs=2, enforce_eager=True,
+                                 max_num_seqs=40)
+    assert eager_stats.get("graph", 0) == 0
     graph, stats = run(str(DEFAULT_MODEL_DIR), prompts, dtype="bfloat16", max_num_seqs=40)
-    same = sum(a.outputs[0].token_ids == b.outputs[0].token_ids for a, b in zip(eager, graph, strict=True))
-    print(f"embedded bf16 FULL vs eager: identical {same}/{len(prompts)}; forwards {stats}")
+    same, near_tie, bad = compare(reference, graph, BF16_MARGIN)
+    print(f"embedded bf16 FULL vs eager: identical {same}/{len(prompts)}, first divergence at a near tie "
+          f"(margin < {BF16_MARGIN}) {near_tie}, elsewhere {bad}; forwards {stats}")
     assert stats.get("graph", 0) > 0
+    assert bad == 0
 
 
 if os.environ.get("TRUESPEC_BACKEND", "triton") != "triton":  # graphs need the kernels

@@ -11,16 +11,16 @@ from pathlib import Path
 import pytest
 import torch
 
-if not torch.cuda.is_available():  # the kernels run in Triton's interpreter (see tests/kernel_helpers.py)
+if not torch.cuda.is_available():  # the kernels run in Triton's interpreter (see tests/helpers/kernels.py)
     os.environ["TRITON_INTERPRET"] = "1"
 
 from truespec import LLM, SamplingParams  # noqa: E402
 from truespec.config import CompilationConfig, EngineConfig  # noqa: E402
-from truespec.engine.context_builder import ContextRow, build_step, packed_size  # noqa: E402
-from truespec.engine.graph_runner import GraphRunner, GraphSettings  # noqa: E402
-from truespec.engine.model_runner import allocate_caches  # noqa: E402
 from truespec.forward_context import set_forward_context  # noqa: E402
+from truespec.kv_cache.layout import allocate_caches  # noqa: E402
 from truespec.models.loader import load_model  # noqa: E402
+from truespec.worker.graph_runner import GraphRunner, GraphSettings  # noqa: E402
+from truespec.worker.input_builder import ContextRow, build_step, packed_size  # noqa: E402
 
 CPU = torch.device("cpu")
 
@@ -174,12 +174,19 @@ def test_compilation_config_validation() -> None:
         EngineConfig(model="m", enforce_eager="yes")
 
 
-def test_llm_accepts_vllm_graph_arguments_on_cpu(tiny_models: dict[str, Path]) -> None:
-    """On CPU the graph arguments are accepted and every step runs eagerly, with the same tokens."""
+def test_full_cudagraph_mode_is_recorded_and_runs_eagerly_on_cpu(tiny_models: dict[str, Path]) -> None:
+    """vLLM's graph arguments are accepted and recorded (FULL asked, FULL by default, NONE with enforce_eager);
+    without CUDA the graph runner captures nothing and every step runs eagerly, so the tokens are the same."""
     params = SamplingParams(temperature=0, max_tokens=8)
+    runs = [("FULL", {"compilation_config": {"cudagraph_mode": "FULL"}}), ("NONE", {"enforce_eager": True}),
+            ("FULL", {})]
     outs = []
-    for kwargs in ({"enforce_eager": True}, {"compilation_config": {"cudagraph_mode": "FULL"}}):
+    for mode, kwargs in runs:
         llm = LLM(str(tiny_models["hybrid"]), dtype="float64", **kwargs)
         outs.append([o.outputs[0].token_ids for o in llm.generate(["def f(x):", "import os"], params)])
-        assert llm.llm_engine.runner.graphs.stats["graph"] == 0
-    assert outs[0] == outs[1]
+        config = llm.llm_engine.config
+        assert config.cudagraph_mode == mode, kwargs
+        assert config.compilation_config.cudagraph_mode == "FULL", kwargs  # enforce_eager overrides, not rewrites
+        stats = llm.llm_engine.runner.graphs.stats
+        assert stats["graph"] == 0 and stats["eager"] > 0, (kwargs, stats)
+    assert outs[0] == outs[1] == outs[2]

@@ -5,7 +5,7 @@ chunk (invariant 4).
 
 Batches are ragged on purpose: plain decodes, 1+k verifies, prefill chunks continuing a cached prefix, fresh
 prefills, an empty query and trailing padding tokens (slot -1), with random (never zero) inputs and caches.
-Without CUDA the kernels run in Triton's interpreter (see tests/kernel_helpers.py), so shapes are tiny;
+Without CUDA the kernels run in Triton's interpreter (see tests/helpers/kernels.py), so shapes are tiny;
 ``@pytest.mark.gpu`` tests rerun them compiled at Qwen3.5-0.8B sizes. The Gated DeltaNet kernels are in
 tests/test_gdn_kernels.py.
 """
@@ -13,7 +13,7 @@ tests/test_gdn_kernels.py.
 import pytest
 import torch
 
-from kernel_helpers import (
+from helpers.kernels import (
     DTYPES,
     GPU_DTYPES,
     GPU_TOL_SCALE,

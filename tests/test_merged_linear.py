@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 from transformers import PretrainedConfig
 
-from model_utils import F as FULL
-from model_utils import L, build_hf_model, save_checkpoint, tiny_llama_config, tiny_qwen3_5_config, tiny_qwen3_config
+from helpers.models import F as FULL
+from helpers.models import L, build_hf_model, save_checkpoint, tiny_llama_config, tiny_qwen3_5_config, tiny_qwen3_config
 from truespec.layers.linear import MergedLinear, use_checkpoint_names
 from truespec.models import load_model
 from truespec.models.registry import get_model_class

@@ -1,4 +1,4 @@
-"""Model-level exactness (DESIGN.md invariant 5): truespec's float64 torch reference models against
+"""Model-level exactness (docs/ARCHITECTURE.md, invariant 5): truespec's float64 torch reference models against
 transformers' own implementation, and against themselves across batch shapes (ragged prefill, chunked
 prefill, decode, verify, padding); plus the checkpoint loader's contract and errors.
 
@@ -7,10 +7,12 @@ Bounds (measured on CPU, float64, 1 and 2 threads; max |logit| ~3.4-4.1):
     do the same float64 math and differ only in summation order (e.g. transformers' chunked GDN vs our
     per-token recurrence), so 1e-11 leaves ~70x headroom while any real math difference (a misplaced
     eps, a wrong head mapping) shows up at >= 1e-8.
-  * vs plain transformers float64: measured <= 1.9e-5 for hybrids, <= 9e-7 for dense models.
-    transformers runs RMSNorm, RoPE, softmax and GDN in float32 even for float64 models (6e-8 relative
-    per rounding); its chunked float32 GDN (exp of cumulative decays, triangular solves) amplifies
-    that most. Bound 1e-4.
+  * vs plain transformers float64: transformers runs RMSNorm, RoPE, softmax and GDN in float32 even for
+    float64 models (6e-8 relative per rounding); its chunked float32 GDN (exp of cumulative decays,
+    triangular solves) amplifies that most. This measures transformers' float32 rounding, not truespec
+    (truespec equals the float64 transformers to 1e-13 above): over 12 random draws of each tiny hybrid
+    (vocabulary 320), stock vs float64 transformers differ by up to 6.6e-5 (LLLF), 2.7e-5 (FL) and
+    2.6e-4 (LFLLLF); dense models <= 9e-7. Bound 1e-3.
   * truespec vs itself in float64 (chunked vs one-shot prefill, verify vs sequential): measured
     <= 1.5e-14 (only matmul blocking differs with the number of rows); bound 1e-12.
 """
@@ -26,8 +28,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import PreTrainedModel
 
-from model_utils import (
-    VOCAB,
+from helpers import VOCAB_SIZE
+from helpers.models import (
     F,
     L,
     NaiveRunner,
@@ -45,7 +47,7 @@ from truespec.forward_context import set_forward_context
 from truespec.models import CausalLM, load_model, resolve_dtype
 
 UPCAST_BOUND = 1e-11  # vs transformers computing in float64 throughout
-HF_BOUND = 1e-4  # vs transformers as shipped (float32 norms/RoPE/GDN/softmax)
+HF_BOUND = 1e-3  # vs transformers as shipped (float32 norms/RoPE/GDN/softmax): its own rounding, see above
 SELF_BOUND = 1e-12  # truespec vs truespec, different batch shapes
 
 CONFIGS = {
@@ -83,8 +85,8 @@ CONFIGS = {
 HYBRIDS = ["qwen3_5_LLLF_tied", "qwen3_5_FL", "qwen3_5_LFLLLF"]
 
 _gen = torch.Generator().manual_seed(1234)
-PROMPTS = [torch.randint(0, VOCAB, (n,), generator=_gen).tolist() for n in (5, 11, 8)]
-LONG_PROMPT = torch.randint(0, VOCAB, (13,), generator=_gen).tolist()
+PROMPTS = [torch.randint(0, VOCAB_SIZE, (n,), generator=_gen).tolist() for n in (5, 11, 8)]
+LONG_PROMPT = torch.randint(0, VOCAB_SIZE, (13,), generator=_gen).tolist()
 # Scattered, non-monotonic block ids so gathering through block tables is exercised.
 TABLES = [[11, 3, 7, 0], [5, 14, 1, 9], [2, 12, 6, 15], [4, 10, 13, 8]]
 

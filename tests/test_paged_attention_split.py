@@ -12,19 +12,19 @@ import pytest
 import torch
 
 if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"  # before truespec.kernels is imported: see tests/kernel_helpers.py
+    os.environ["TRITON_INTERPRET"] = "1"  # before truespec.kernels is imported: see tests/helpers/kernels.py
 
 triton = pytest.importorskip("triton")
 
-from kernel_helpers import DEVICE, NUM_PAD_TOKENS, assert_near, gpu, i64, needs_cuda, paged_batch, randn  # noqa: E402
+from helpers.kernels import DEVICE, NUM_PAD_TOKENS, assert_near, gpu, i64, needs_cuda, paged_batch, randn  # noqa: E402
 from truespec.kernels.paged_attention import (  # noqa: E402
     BLOCK_N,
     MAX_SPLITS,
     MIN_SPLIT_KEYS,
     paged_attention,
-    paged_attention_ref,
     split_layout,
 )
+from truespec.ops.attention import paged_attention_ref  # noqa: E402
 
 SMALL = dict(block_n=16, max_splits=4, min_split_keys=16)  # rows of 17..64 keys: 2-4 splits of 16 keys
 # (num_cached, query_len): decode, 1+3 verify, prefill chunk on a cached prefix, fresh prefill, empty query,

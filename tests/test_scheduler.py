@@ -1,33 +1,29 @@
-"""Scheduler, block manager and state manager: plain Python, no model (invariants 1 and 6)."""
+"""Scheduler and KV-cache accounting: plain Python, no model, no tensors (invariants 1 and 6)."""
 
-import pytest
-import torch
-
-from truespec.engine.block_manager import BlockManager
-from truespec.engine.context_builder import ContextRow, build_forward_context
-from truespec.engine.scheduler import Scheduler
-from truespec.engine.sequence import Sequence, SequenceStatus
-from truespec.engine.state_manager import StateManager
+from truespec.core.scheduler import Scheduler
+from truespec.core.sequence import Sequence, SequenceStatus
+from truespec.kv_cache.manager import KVCacheManager
 from truespec.sampling_params import SamplingParams
 
 
-def make(num_blocks: int = 16, block_size: int = 4, max_num_seqs: int = 4, budget: int = 8) -> Scheduler:
-    return Scheduler(BlockManager(num_blocks, block_size), StateManager(max_num_seqs, 1), max_num_seqs, budget)
+def make(num_blocks: int = 16, block_size: int = 4, max_num_seqs: int = 4, budget: int = 8,
+         lookahead: int = 0) -> Scheduler:
+    return Scheduler(KVCacheManager(num_blocks, block_size, max_num_seqs, 1), max_num_seqs, budget, lookahead)
 
 
-def seq(name: str, prompt_len: int) -> Sequence:
-    return Sequence(name, None, list(range(1, prompt_len + 1)), SamplingParams(max_tokens=100), 100)
+def seq(name: str, prompt_len: int, max_output_len: int = 100) -> Sequence:
+    return Sequence(name, None, list(range(1, prompt_len + 1)), SamplingParams(max_tokens=100), max_output_len)
 
 
 def run_step(sched: Scheduler, token: int = 7) -> list[tuple[str, int]]:
     """Schedule, pretend the model ran, append a token for each request that finished its prefill."""
     out = sched.schedule()
-    for s in out.scheduled:
-        last = s.is_last_chunk
-        s.seq.num_computed_tokens += s.num_new_tokens
-        if last:
-            s.seq.output_token_ids.append(token)
-    return [(s.seq.request_id, s.num_new_tokens) for s in out.scheduled]
+    seqs = {s.request_id: s for s in sched.running}
+    for r in out.scheduled:
+        seqs[r.request_id].num_computed_tokens += r.num_new_tokens
+        if r.is_last_chunk:
+            seqs[r.request_id].output_token_ids.append(token)
+    return [(r.request_id, r.num_new_tokens) for r in out.scheduled]
 
 
 def test_chunked_prefill_mixes_with_decodes_within_budget() -> None:
@@ -37,6 +33,19 @@ def test_chunked_prefill_mixes_with_decodes_within_budget() -> None:
     assert run_step(sched) == [("a", 3), ("b", 5)]
     assert run_step(sched) == [("a", 1), ("b", 7)]
     assert run_step(sched) == [("a", 1), ("b", 1)]  # b finished its prefill last step: both decode
+
+
+def test_scheduler_output_carries_everything_the_runner_reads() -> None:
+    sched = make(budget=8)
+    a = seq("a", 3)
+    sched.add(a)
+    run_step(sched)
+    a.draft_token_ids = [11, 12]
+    (r,) = sched.schedule().scheduled
+    assert (r.request_id, r.num_computed_tokens, r.num_scheduled_tokens, r.num_new_tokens) == ("a", 3, 3, 1)
+    assert r.token_ids == [7, 11, 12] and r.draft_token_ids == [11, 12] and r.is_last_chunk and r.num_logits == 3
+    assert r.block_ids == sched.kv.block_ids("a") and len(r.block_ids) == 2  # positions 0..5: two blocks of 4
+    assert r.state_src == r.first_state_slot + a.state_index and r.num_output_tokens == 1
 
 
 def test_max_num_seqs_bounds_running() -> None:
@@ -53,11 +62,11 @@ def test_preemption_frees_everything_and_recomputes() -> None:
     sched.add(seq("b", 8))
     run_step(sched)  # a: 2 blocks, b: 2 blocks, pool empty
     b = sched.running[1]
-    assert sched.block_manager.num_free_blocks == 0
-    scheduled = run_step(sched)  # a needs a 3rd block at token 8? a has 8 tokens -> fits; b needs block 3
+    assert sched.kv.blocks.num_free == 0
+    scheduled = run_step(sched)  # a has 8 tokens -> fits its 2 blocks; b needs a 3rd block: b is preempted
     assert ("a", 1) in scheduled
     assert b.status is SequenceStatus.WAITING and b.num_computed_tokens == 0 and b.num_preemptions == 1
-    assert b.block_ids == [] and b.state_group is None
+    assert sched.kv.block_ids("b") == [] and "b" not in sched.kv._groups
     assert sched.waiting[0] is b
 
 
@@ -70,22 +79,21 @@ def test_accounting_returns_to_initial_counts() -> None:
         run_step(sched)
     for s in seqs:
         sched.finish(s, "abort")
-    assert sched.block_manager.num_free_blocks == 6
-    assert sched.state_manager.num_free_groups == 4
+    assert sched.kv.blocks.num_free == 6
+    assert sched.kv.state_groups.num_free == 4
     assert not sched.has_unfinished()
+    assert sorted(sched.schedule().finished_req_ids) == ["r0", "r1", "r2", "r3"]  # reported once, then forgotten
+    assert sched.schedule().finished_req_ids == []
 
 
-def test_block_manager_slots_follow_block_table() -> None:
-    bm = BlockManager(8, 4)
-    bm.allocate(seq("x", 3), 3)  # so that "a" gets blocks other than 0, 1
-    s = seq("a", 6)
-    bm.allocate(s, 6)
-    assert len(s.block_ids) == 2
-    ctx = build_forward_context([ContextRow(s.block_ids, 0, 6, -1, 0, 5, 1)], 4, torch.device("cpu"))
-    b0, b1 = s.block_ids
-    assert ctx.slot_mapping.tolist() == [b0 * 4, b0 * 4 + 1, b0 * 4 + 2, b0 * 4 + 3, b1 * 4, b1 * 4 + 1]
-    with pytest.raises(RuntimeError):
-        bm.allocate(s, 100)
+def test_lookahead_blocks_cover_a_drafters_writes_and_stop_at_the_longest_length() -> None:
+    """A model drafter writes drafts past a step's query: the scheduler holds blocks for them (num_lookahead)."""
+    sched = make(num_blocks=16, block_size=4, budget=100, lookahead=3)
+    sched.add(seq("a", 5, max_output_len=100))
+    sched.add(seq("b", 5, max_output_len=2))
+    run_step(sched)
+    assert len(sched.kv.block_ids("a")) == 2  # positions 0..7: the prompt (5) and 3 lookahead
+    assert len(sched.kv.block_ids("b")) == 2  # capped at prompt + max_output_len = 7 positions
 
 
 def test_a_verify_that_waited_goes_first_next_step() -> None:

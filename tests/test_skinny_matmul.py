@@ -21,8 +21,8 @@ import truespec.layers.activation as activation_mod  # noqa: E402
 import truespec.layers.linear as linear_mod  # noqa: E402
 from truespec.kernels import act_mul, skinny_matmul, skinny_matmul_ref  # noqa: E402
 from truespec.kernels.triton_utils import is_interpreter  # noqa: E402
-from truespec.layers.activation import act_mul_torch  # noqa: E402
 from truespec.layers.mlp import GatedMLP  # noqa: E402
+from truespec.ops.activation import act_mul_ref  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 # relative error (Frobenius) bound per dtype: the kernel and the reference differ only in summation order
@@ -131,7 +131,7 @@ def test_gated_mlp_fuses_act_mul_only_into_one_row_16bit_kernel_steps(monkeypatc
     torch.manual_seed(0)
     x64 = torch.randn(1, 40, dtype=torch.float64)  # the CPU float64 path (exactness tests): torch, as before
     mlp64 = GatedMLP(40, 70, "silu", bias=True).to(torch.float64)
-    assert torch.equal(bits(mlp64(x64)), bits(two_step_mlp(mlp64, x64, torch.nn.functional.linear, act_mul_torch)))
+    assert torch.equal(bits(mlp64(x64)), bits(two_step_mlp(mlp64, x64, torch.nn.functional.linear, act_mul_ref)))
     skinny_calls, act_mul_calls = spy(monkeypatch, "skinny_matmul"), spy(monkeypatch, "act_mul")
     cases = [  # (kernels on, dtype, rows, activation, the input_act of each skinny call, number of act_mul calls)
         (True, torch.bfloat16, 1, "silu", [None, "silu"], 0),  # one row: gate_up, then down with act_mul fused in
@@ -151,7 +151,7 @@ def test_gated_mlp_fuses_act_mul_only_into_one_row_16bit_kernel_steps(monkeypatc
         y = mlp(x)
         assert skinny_calls == skinny_acts and len(act_mul_calls) == num_act_mul, (kernels_on, dtype, rows, act)
         matmul = skinny_matmul if skinny_acts else torch.nn.functional.linear
-        act_fn = act_mul if kernels_on and act in activation_mod.KERNEL_ACTIVATIONS else act_mul_torch
+        act_fn = act_mul if kernels_on and act in activation_mod.KERNEL_ACTIVATIONS else act_mul_ref
         assert torch.equal(bits(y), bits(two_step_mlp(mlp, x, matmul, act_fn))), (kernels_on, dtype, rows, act)
 
 

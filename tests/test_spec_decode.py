@@ -2,51 +2,21 @@
 without speculation (invariants 1, 2, 4), including mixed steps where some requests verify drafts,
 some have none and some are still prefilling, and under preemption."""
 
-import random
 from pathlib import Path
 
 import pytest
 import torch
 
-from test_engine_exactness import BATCH_LENGTHS, random_prompts
+from helpers.engine import BATCH_LENGTHS, OracleProposer, generate, random_prompts, set_eos_token_ids, spec_llm
 from truespec import LLM, SamplingParams
-from truespec.engine.model_runner import StepOutput
-from truespec.engine.scheduler import ScheduledSeq
+from truespec.spec_decode.interface import DraftRequest, Drafts
+from truespec.worker.runner_output import ModelRunnerOutput
 
 MAX_TOKENS = 24
 
 
-class OracleProposer:
-    """Drafts the reference continuation, cut to a length that changes every step (0..k, so a request
-    alternates drafts / no drafts) and with one token corrupted at a changing position: every prefix
-    length gets accepted at some step, which exercises the state hand-off after each of them."""
-
-    def __init__(self, reference: dict[tuple[int, ...], list[int]], k: int, vocab: int) -> None:
-        self.reference, self.k, self.vocab, self.calls = reference, k, vocab, 0
-        self.rng = random.Random(k)
-
-    def propose(self, scheduled: list[ScheduledSeq], step: StepOutput) -> None:
-        for seq in [s.seq for s, tokens in zip(scheduled, step.tokens, strict=True) if tokens]:
-            self.calls += 1
-            ref = self.reference[tuple(seq.prompt_token_ids)][len(seq.output_token_ids):]
-            drafts = ref[: self.rng.choice([0, self.k, self.rng.randrange(self.k + 1)])]
-            bad = self.rng.randrange(2 * self.k + 1)  # >= len(drafts) about half of the time: all accepted
-            if bad < len(drafts):
-                drafts[bad] = (drafts[bad] + 1) % self.vocab
-            seq.draft_token_ids, seq.draft_probs = drafts, None
-
-
 def greedy(max_tokens: int = MAX_TOKENS, **kw: object) -> SamplingParams:
     return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **kw)
-
-
-def generate(llm: LLM, prompts: list[dict], params: SamplingParams | list[SamplingParams]) -> list[list[int]]:
-    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-
-
-def spec_llm(model_dir: Path, k: int, **kw: object) -> LLM:
-    config = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
-    return LLM(str(model_dir), dtype="float64", device="cpu", max_model_len=400, speculative_config=config, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -97,10 +67,9 @@ def oracle_all_accepted(tiny_models: dict[str, Path], references: dict) -> tuple
     llm = spec_llm(tiny_models["hybrid"], 8)
 
     class FullOracle(OracleProposer):
-        def propose(self, scheduled: list[ScheduledSeq], step: StepOutput) -> None:
-            for seq in [s.seq for s, tokens in zip(scheduled, step.tokens, strict=True) if tokens]:
-                seq.draft_token_ids = self.reference[tuple(seq.prompt_token_ids)][len(seq.output_token_ids):][:8]
-                seq.draft_probs = None
+        def propose(self, requests: list[DraftRequest], output: ModelRunnerOutput,
+                    finished_req_ids: list[str]) -> dict[str, Drafts]:
+            return {r.request_id: Drafts(self.continuation(r)[:8]) for r in requests if r.is_drafting}
 
     llm.llm_engine.proposer = FullOracle({tuple(p["prompt_token_ids"]): r for p, r in zip(prompts, ref, strict=True)},
                                          8, 300)
@@ -123,7 +92,7 @@ def test_stop_token_and_eos_inside_an_accepted_run(tiny_models: dict[str, Path],
         assert all(o.finish_reason == "stop" for o in ours)
     for j in range(1, 12):  # EOS: the engine's EOS set, not ignored
         for engine in (llm.llm_engine, base.llm_engine):
-            engine.stop_checker.eos_token_ids = {ref[0][j]}
+            set_eos_token_ids(engine, {ref[0][j]})
         params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
         assert generate(llm, prompts[:1], params) == generate(base, prompts[:1], params)
 
@@ -151,7 +120,7 @@ def test_seeded_random_sampling_with_speculation_is_batch_invariant(tiny_models:
 
 
 def test_sixty_four_drafts_like_fast_apply(tiny_models: dict[str, Path], references: dict) -> None:
-    """k = 64 (the fast-apply workload of CONTEXT.md): long accepted runs, partial ones, none."""
+    """k = 64 (the fast-apply workload of vLLM #40738: k = 64 ngram drafts): long accepted runs, partial ones, none."""
     prompts, ref = references["hybrid"]
     llm = spec_llm(tiny_models["hybrid"], 64, max_num_batched_tokens=80)
     llm.llm_engine.proposer = OracleProposer({tuple(p["prompt_token_ids"]): r for p, r in zip(prompts, ref,

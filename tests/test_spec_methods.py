@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from test_engine_exactness import BATCH_LENGTHS, random_prompts
+from helpers.engine import BATCH_LENGTHS, random_prompts
 from truespec import LLM, SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
@@ -116,11 +116,12 @@ class DraftRecorder:
     def __init__(self, inner: object) -> None:
         self.inner, self.first_drafts = inner, {}
 
-    def propose(self, scheduled: list, step: object) -> None:
-        self.inner.propose(scheduled, step)
-        for s in scheduled:
-            if s.seq.draft_token_ids:
-                self.first_drafts.setdefault(s.seq.request_id, {})[s.seq.num_tokens] = s.seq.draft_token_ids[0]
+    def propose(self, requests: list, output: object, finished_req_ids: list[str]) -> dict:
+        drafts = self.inner.propose(requests, output, finished_req_ids)
+        for r in requests:
+            if r.request_id in drafts and drafts[r.request_id].token_ids:
+                self.first_drafts.setdefault(r.request_id, {})[len(r.token_ids)] = drafts[r.request_id].token_ids[0]
+        return drafts
 
 
 @pytest.mark.parametrize("method", ["mtp", "eagle"])
@@ -129,8 +130,8 @@ def test_head_drafts_equal_a_one_shot_reference(setup: dict, method: str) -> Non
     head run once over the whole sequence on the target's hidden states (positions, KV and hidden rows line up)."""
     import torch
 
-    from truespec.engine.context_builder import ContextRow, build_forward_context
     from truespec.forward_context import set_forward_context
+    from truespec.worker.input_builder import ContextRow, build_forward_context
 
     llm = LLM(str(setup["target"]), dtype="float64", device="cpu", max_model_len=400, max_num_batched_tokens=8,
               speculative_config=spec_config(method, 3, setup["models"], setup["target"]))
@@ -145,12 +146,12 @@ def test_head_drafts_equal_a_one_shot_reference(setup: dict, method: str) -> Non
         tokens = out.prompt_token_ids + out.outputs[0].token_ids
         n = len(tokens)
         # fresh single-request caches: blocks 0.. of a scratch pool, one state group
-        blocks = list(range(-(-n // engine.block_manager.block_size)))
-        ctx = build_forward_context([ContextRow(blocks, 0, n, -1, 0, n - 1, 0)], engine.block_manager.block_size,
+        blocks = list(range(-(-n // engine.kv.block_size)))
+        ctx = build_forward_context([ContextRow(blocks, 0, n, -1, 0, n - 1, 0)], engine.kv.block_size,
                                     engine.device)
         with torch.inference_mode(), set_forward_context(ctx):
             hidden = runner.model(torch.tensor(tokens), torch.arange(n))
-        hctx = build_forward_context([ContextRow(blocks, 0, n - 1, -1, 0, n - 2, 0)], engine.block_manager.block_size,
+        hctx = build_forward_context([ContextRow(blocks, 0, n - 1, -1, 0, n - 2, 0)], engine.kv.block_size,
                                      engine.device)
         with torch.inference_mode(), set_forward_context(hctx):
             ref = head.compute_logits(head(torch.tensor(tokens[1:]), torch.arange(n - 1), hidden[:-1])).argmax(-1)

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from test_spec_decode import OracleProposer
+from helpers.engine import OracleProposer
 from truespec import LLM, SamplingParams
 from truespec.entrypoints.cli import main as cli_main
 from truespec.entrypoints.verify import DEBUG_FAULTS, first_divergence, top2_margin, verify

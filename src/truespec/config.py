@@ -2,7 +2,8 @@
 
 from dataclasses import dataclass
 
-DTYPES = ("auto", "float64", "float32", "bfloat16", "float16", "half", "float", "double")
+from truespec.dtypes import DTYPES
+
 DEVICES = ("auto", "cpu", "cuda")
 
 
@@ -15,10 +16,11 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
+    # the cache's fields, validated by kv_cache.CacheConfig (the engine builds one from them first)
     block_size: int = 16
     num_gpu_blocks_override: int | None = None
     gpu_memory_utilization: float = 0.9
-    cpu_kv_cache_space_gib: float = 4.0  # KV pool size on CPU (vLLM's VLLM_CPU_KVCACHE_SPACE)
+    cpu_kv_cache_space_gib: float = 4.0
     seed: int = 0
     speculative_config: "SpeculativeConfig | dict | None" = None
     enforce_eager: bool = False  # vLLM: never use CUDA graphs (same as cudagraph_mode NONE)
@@ -30,24 +32,18 @@ class EngineConfig:
     def __post_init__(self) -> None:
         object.__setattr__(self, "speculative_config", SpeculativeConfig.from_dict(self.speculative_config))
         object.__setattr__(self, "compilation_config", CompilationConfig.from_dict(self.compilation_config))
-        _check(isinstance(self.enforce_eager, bool), "enforce_eager", f"must be a bool, got {self.enforce_eager!r}")
-        _check(self.async_scheduling is None or isinstance(self.async_scheduling, bool), "async_scheduling",
-               f"must be a bool or None, got {self.async_scheduling!r}")
-        _check(isinstance(self.model, str) and self.model != "", "model", "must be a directory path")
-        _check(self.dtype in DTYPES, "dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
-        _check(self.device in DEVICES or str(self.device).startswith("cuda:"), "device",
-               f"must be one of {DEVICES} or 'cuda:N', got {self.device!r}")
-        _positive(self, "max_num_seqs", "max_num_batched_tokens", "block_size")
-        _check(self.max_model_len is None or _pos_int(self.max_model_len), "max_model_len",
-               f"must be a positive int, got {self.max_model_len!r}")
-        _check(self.num_gpu_blocks_override is None or _pos_int(self.num_gpu_blocks_override),
-               "num_gpu_blocks_override", f"must be a positive int, got {self.num_gpu_blocks_override!r}")
-        _check(_number(self.gpu_memory_utilization) and 0 < self.gpu_memory_utilization <= 1,
-               "gpu_memory_utilization", f"must be a number in (0, 1], got {self.gpu_memory_utilization!r}")
-        _check(_number(self.cpu_kv_cache_space_gib) and self.cpu_kv_cache_space_gib > 0, "cpu_kv_cache_space_gib",
-               f"must be a number > 0, got {self.cpu_kv_cache_space_gib!r}")
-        _check(isinstance(self.seed, int) and not isinstance(self.seed, bool), "seed",
-               f"must be an int, got {self.seed!r}")
+        check(isinstance(self.enforce_eager, bool), "enforce_eager", f"must be a bool, got {self.enforce_eager!r}")
+        check(self.async_scheduling is None or isinstance(self.async_scheduling, bool), "async_scheduling",
+              f"must be a bool or None, got {self.async_scheduling!r}")
+        check(isinstance(self.model, str) and self.model != "", "model", "must be a directory path")
+        check(self.dtype in DTYPES, "dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
+        check(self.device in DEVICES or str(self.device).startswith("cuda:"), "device",
+              f"must be one of {DEVICES} or 'cuda:N', got {self.device!r}")
+        _positive(self, "max_num_seqs", "max_num_batched_tokens")
+        check(self.max_model_len is None or is_pos_int(self.max_model_len), "max_model_len",
+              f"must be a positive int, got {self.max_model_len!r}")
+        check(isinstance(self.seed, int) and not isinstance(self.seed, bool), "seed",
+              f"must be an int, got {self.seed!r}")
 
     @property
     def num_speculative_tokens(self) -> int:
@@ -58,21 +54,21 @@ class EngineConfig:
         return "NONE" if self.enforce_eager else self.compilation_config.cudagraph_mode
 
 
-def _number(x: object) -> bool:
+def is_number(x: object) -> bool:
     return isinstance(x, int | float) and not isinstance(x, bool)
 
 
-def _pos_int(x: object) -> bool:
+def is_pos_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool) and x > 0
 
 
 def _positive(cfg: object, *names: str) -> None:
     for name in names:
         value = getattr(cfg, name)
-        _check(_pos_int(value), name, f"must be a positive int, got {value!r}")
+        check(is_pos_int(value), name, f"must be a positive int, got {value!r}")
 
 
-def _check(ok: bool, name: str, message: str) -> None:
+def check(ok: bool, name: str, message: str) -> None:
     if not ok:
         raise ValueError(f"{name} {message}")
 
@@ -93,22 +89,22 @@ class SpeculativeConfig:
     enforce_eager: bool | None = None  # True: the drafter runs without CUDA graphs (None: the target's mode)
 
     def __post_init__(self) -> None:
-        _check(self.method in SPEC_METHODS, "speculative_config.method",
-               f"must be one of {SPEC_METHODS}, got {self.method!r}")
+        check(self.method in SPEC_METHODS, "speculative_config.method",
+              f"must be one of {SPEC_METHODS}, got {self.method!r}")
         k = self.num_speculative_tokens
-        _check(_pos_int(k) and k <= MAX_SPECULATIVE_TOKENS, "speculative_config.num_speculative_tokens",
-               f"must be an int in [1, {MAX_SPECULATIVE_TOKENS}], got {k!r}")
-        _check(self.enforce_eager is None or isinstance(self.enforce_eager, bool), "speculative_config.enforce_eager",
-               f"must be a bool, got {self.enforce_eager!r}")
+        check(is_pos_int(k) and k <= MAX_SPECULATIVE_TOKENS, "speculative_config.num_speculative_tokens",
+              f"must be an int in [1, {MAX_SPECULATIVE_TOKENS}], got {k!r}")
+        check(self.enforce_eager is None or isinstance(self.enforce_eager, bool), "speculative_config.enforce_eager",
+              f"must be a bool, got {self.enforce_eager!r}")
         needs_model = self.method in ("draft_model", "eagle")
-        _check(not needs_model or isinstance(self.model, str), "speculative_config.model",
-               f"is required for method {self.method!r} (the drafter's directory)")
+        check(not needs_model or isinstance(self.model, str), "speculative_config.model",
+              f"is required for method {self.method!r} (the drafter's directory)")
         if self.method == "ngram":  # vLLM: both default to 5; one given sets the other
             lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
             object.__setattr__(self, "prompt_lookup_min", lo if lo is not None else (hi or 5))
             object.__setattr__(self, "prompt_lookup_max", hi if hi is not None else (lo or 5))
             lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
-            _check(_pos_int(lo) and _pos_int(hi) and lo <= hi, "speculative_config.prompt_lookup_min",
+            check(is_pos_int(lo) and is_pos_int(hi) and lo <= hi, "speculative_config.prompt_lookup_min",
                    f"and prompt_lookup_max must satisfy 1 <= min <= max, got {lo!r}, {hi!r}")
 
     @classmethod
@@ -120,9 +116,9 @@ class SpeculativeConfig:
         known = {"method", "num_speculative_tokens", "model", "prompt_lookup_min", "prompt_lookup_max",
                  "enforce_eager"}
         unknown = sorted(set(d) - known)
-        _check(not unknown, "speculative_config", f"has unknown keys {unknown}; known: {sorted(known)}")
-        _check("method" in d and "num_speculative_tokens" in d, "speculative_config",
-               "needs 'method' and 'num_speculative_tokens'")
+        check(not unknown, "speculative_config", f"has unknown keys {unknown}; known: {sorted(known)}")
+        check("method" in d and "num_speculative_tokens" in d, "speculative_config",
+              "needs 'method' and 'num_speculative_tokens'")
         return cls(**d)
 
 
@@ -147,17 +143,17 @@ class CompilationConfig:
         mode = self.cudagraph_mode
         hint = " (PIECEWISE modes need torch.compile's graph splitting, which truespec does not use)" \
             if isinstance(mode, str) and "PIECEWISE" in mode else ""
-        _check(mode in CUDAGRAPH_MODES, "compilation_config.cudagraph_mode",
-               f"must be one of {CUDAGRAPH_MODES}, got {mode!r}{hint}")
+        check(mode in CUDAGRAPH_MODES, "compilation_config.cudagraph_mode",
+              f"must be one of {CUDAGRAPH_MODES}, got {mode!r}{hint}")
         sizes = self.cudagraph_capture_sizes
         if sizes is not None:
-            _check(isinstance(sizes, list | tuple) and len(sizes) > 0 and all(_pos_int(x) for x in sizes),
+            check(isinstance(sizes, list | tuple) and len(sizes) > 0 and all(is_pos_int(x) for x in sizes),
                    "compilation_config.cudagraph_capture_sizes", f"must be a non-empty list of positive ints, "
                    f"got {sizes!r}")
             object.__setattr__(self, "cudagraph_capture_sizes", tuple(sorted(set(sizes))))
         top = self.max_cudagraph_capture_size
-        _check(top is None or _pos_int(top), "compilation_config.max_cudagraph_capture_size",
-               f"must be a positive int, got {top!r}")
+        check(top is None or is_pos_int(top), "compilation_config.max_cudagraph_capture_size",
+              f"must be a positive int, got {top!r}")
 
     def capture_sizes(self, max_num_tokens: int) -> list[int]:
         """The ladder of token counts to capture, none above ``max_num_tokens`` (the most a step can hold)."""
@@ -180,5 +176,5 @@ class CompilationConfig:
             raise ValueError(f"compilation_config must be a dict, got {type(d).__name__}")
         known = {"cudagraph_mode", "cudagraph_capture_sizes", "max_cudagraph_capture_size"}
         unknown = sorted(set(d) - known)
-        _check(not unknown, "compilation_config", f"has unknown keys {unknown}; known: {sorted(known)}")
+        check(not unknown, "compilation_config", f"has unknown keys {unknown}; known: {sorted(known)}")
         return cls(**d)

@@ -2,7 +2,7 @@
 
 A step packs the tokens of several requests one after another (prefill chunks, decodes and,
 later, speculative verifies of different lengths). Every layer treats request ``r`` by its own
-per-request values below; nothing branches on the batch composition (DESIGN.md invariant 1).
+per-request values below; nothing branches on the batch composition (docs/ARCHITECTURE.md invariant 1).
 
 Recurrent (GDN) state lives in flat "state slots". A request owns a group of ``1 + k_max``
 consecutive slots starting at ``state_dst[r]``. It reads its state before the step from

@@ -1,14 +1,14 @@
 """The offline API, shaped like vLLM's ``LLM``."""
 
 from collections.abc import Sequence as Seq
+from dataclasses import replace
 
 from tqdm.auto import tqdm
 
 from truespec.config import EngineConfig
 from truespec.engine.llm_engine import LLMEngine, PromptType
-from truespec.engine.sequence import Sequence
-from truespec.outputs import CompletionOutput, RequestOutput
-from truespec.sampling_params import SamplingParams
+from truespec.outputs import RequestOutput
+from truespec.sampling_params import RequestOutputKind, SamplingParams
 
 
 class LLM:
@@ -32,18 +32,23 @@ class LLM:
         prompts = [prompts] if isinstance(prompts, str | dict) else list(prompts)
         params = _per_prompt(sampling_params, len(prompts))
         engine = self.llm_engine
-        seqs = [engine.make_sequence(p, sp) for p, sp in zip(prompts, params, strict=True)]  # validate all first
+        final = [replace(sp, output_kind=RequestOutputKind.FINAL_ONLY) if isinstance(sp, SamplingParams) else sp
+                 for sp in params]  # one output per request, when it finishes
+        seqs = [engine.make_sequence(p, sp) for p, sp in zip(prompts, final, strict=True)]  # validate all first
         for seq in seqs:
             engine.add_sequence(seq)
+        outputs: dict[str, RequestOutput] = {}
         try:
             with tqdm(total=len(seqs), desc="generate", disable=not use_tqdm or len(seqs) < 2) as bar:
-                while any(not s.is_finished for s in seqs):
-                    bar.update(len(engine.step()))
+                while len(outputs) < len(seqs):
+                    done = engine.step()
+                    outputs.update((out.request_id, out) for out in done)
+                    bar.update(len(done))
         except BaseException:
             for seq in seqs:  # a failed call leaves nothing behind: blocks and state slots come back
                 engine.abort_request(seq.request_id)
             raise
-        return [_request_output(s) for s in seqs]
+        return [outputs[seq.request_id] for seq in seqs]
 
 
 def _per_prompt(sampling_params: SamplingParams | Seq[SamplingParams] | None, n: int) -> list[SamplingParams]:
@@ -55,14 +60,6 @@ def _per_prompt(sampling_params: SamplingParams | Seq[SamplingParams] | None, n:
     if len(params) != n:
         raise ValueError(f"got {len(params)} SamplingParams for {n} prompts: give one, or one per prompt")
     return params
-
-
-def _request_output(seq: Sequence) -> RequestOutput:
-    logprobs = list(seq.output_logprobs) if seq.params.logprobs is not None else None
-    cumulative = sum(lp[t] for lp, t in zip(logprobs, seq.output_token_ids, strict=True)) if logprobs else None
-    out = CompletionOutput(0, seq.output_text, list(seq.output_token_ids), seq.finish_reason, seq.stop_reason,
-                           cumulative, logprobs)
-    return RequestOutput(seq.request_id, seq.prompt, list(seq.prompt_token_ids), [out], finished=True)
 
 
 def _default_model_dir() -> str:

@@ -1,8 +1,17 @@
 """SamplingParams: how one request picks its tokens and when it stops (vLLM's fields and meanings)."""
 
 from dataclasses import dataclass
+from enum import Enum
 
 MAX_LOGPROBS = 20  # as vLLM's default max_logprobs
+
+
+class RequestOutputKind(Enum):
+    """Which outputs a request yields while it runs (vLLM's names)."""
+
+    CUMULATIVE = 0  # after each step with new tokens: everything so far
+    DELTA = 1  # after each step with new tokens: only what is new (text deltas never split a character)
+    FINAL_ONLY = 2  # once, when it finishes (LLM.generate)
 
 
 @dataclass
@@ -21,6 +30,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     logprobs: int | None = None  # return the sampled token's and this many top tokens' log-probabilities
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -46,6 +56,8 @@ class SamplingParams:
                self.stop)
         _check(all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
                "must be non-negative ints", self.stop_token_ids)
+        _check(isinstance(self.output_kind, RequestOutputKind), "output_kind", "must be a RequestOutputKind",
+               self.output_kind)
 
     @property
     def is_greedy(self) -> bool:
@@ -65,4 +77,4 @@ def _check(ok: bool, name: str, rule: str, value: object) -> None:
         raise ValueError(f"SamplingParams.{name} {rule}, got {value!r}")
 
 
-__all__ = ["SamplingParams"]
+__all__ = ["RequestOutputKind", "SamplingParams"]

@@ -4,20 +4,13 @@ from pathlib import Path
 
 from transformers import GenerationConfig, PretrainedConfig, PreTrainedTokenizerBase
 
-from truespec.engine.sequence import Sequence
+from truespec.core.sequence import Sequence
 
 
 class StopChecker:
     def __init__(self, tokenizer: PreTrainedTokenizerBase, hf_config: PretrainedConfig, model_dir: str) -> None:
         self.tokenizer = tokenizer
         self.eos_token_ids = _eos_token_ids(tokenizer, hf_config, model_dir)
-
-    def banned_token_ids(self, seq: Sequence, offset: int = 0) -> list[int]:
-        """Tokens that may not be output token ``len(output) + offset``: stop tokens and EOS before min_tokens."""
-        p = seq.params
-        if len(seq.output_token_ids) + offset >= p.min_tokens:
-            return []
-        return sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids))
 
     def check(self, seq: Sequence) -> str | None:
         """After a token was appended: the finish reason, or None. Sets the output text when finished."""

@@ -4,8 +4,10 @@
 One ``LLM`` serves every batch size. Per batch size: the batch (random prompt token ids, or the first prompts
 of ``--prompts-file``), one warm-up ``generate``, then ``--num-iters`` timed ones, greedy with ``ignore_eos``
 so every request decodes exactly ``--output-len`` tokens. Reported: output tokens/s, time per output step
-(wall time / output length: the batch advances one step per output token without speculation) and, when
-speculating, the mean acceptance length. A markdown table comes last; ``--json`` writes every number.
+(wall time / output length: the batch advances one step per output token without speculation), the mean time to
+first token (TTFT: from the request's arrival, so it includes the batch's prefill) and time per output token after
+the first (TPOT), from each request's timestamps, and, when speculating, the mean acceptance length. A markdown
+table comes last; ``--json`` writes every number.
 
     truespec bench --model DIR --dtype bfloat16 --batch-sizes 1 8 64 --input-len 512 --output-len 256
     python3 -m truespec.entrypoints.bench ...   (the same, without the CLI)
@@ -109,10 +111,12 @@ def bench_batch(llm: LLM, prompts: list[dict], args: argparse.Namespace) -> dict
     for _ in range(args.warmup):
         llm.generate(prompts, params, use_tqdm=False)
     before = llm.get_metrics()
-    times, num_output_tokens, num_prompt_tokens = [], 0, 0
+    times, ttfts, tpots, num_output_tokens, num_prompt_tokens = [], [], [], 0, 0
     for _ in range(args.num_iters):
         outputs, elapsed = timed_generate(llm, prompts, params)
         times.append(elapsed)
+        ttfts += [o.metrics.time_to_first_token for o in outputs]
+        tpots += [o.metrics.time_per_output_token for o in outputs if o.metrics.time_per_output_token is not None]
         num_output_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
         num_prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs)
     elapsed = sum(times) / len(times)
@@ -120,7 +124,8 @@ def bench_batch(llm: LLM, prompts: list[dict], args: argparse.Namespace) -> dict
            "num_output_tokens": num_output_tokens, "output_len": args.output_len, "elapsed_s": elapsed,
            "times_s": times, "output_tok_per_s": num_output_tokens / elapsed,
            "total_tok_per_s": (num_output_tokens + num_prompt_tokens) / elapsed,
-           "step_ms": 1000 * elapsed / args.output_len}
+           "step_ms": 1000 * elapsed / args.output_len, "ttft_ms": 1000 * sum(ttfts) / len(ttfts),
+           "tpot_ms": 1000 * sum(tpots) / len(tpots) if tpots else None}
     row["mean_acceptance_length"] = mean_acceptance_length(before, llm.get_metrics())
     return row
 
@@ -151,12 +156,13 @@ def device_name(device: torch.device) -> str:
 
 
 def format_table(rows: list[dict], is_speculative: bool) -> str:
-    head = "| batch | prompt tokens | output tokens | output tok/s | ms / output step |"
+    head = "| batch | prompt tokens | output tokens | output tok/s | ms / output step | TTFT ms | TPOT ms |"
     head += " accept len |" if is_speculative else ""
     lines = [head, "|" + "---:|" * (head.count("|") - 1)]
     for r in rows:
+        tpot = f"{r['tpot_ms']:.2f}" if r["tpot_ms"] is not None else "-"
         line = (f"| {r['batch_size']} | {r['num_prompt_tokens']} | {r['num_output_tokens']} | "
-                f"{r['output_tok_per_s']:.1f} | {r['step_ms']:.2f} |")
+                f"{r['output_tok_per_s']:.1f} | {r['step_ms']:.2f} | {r['ttft_ms']:.2f} | {tpot} |")
         if is_speculative:
             m = r["mean_acceptance_length"]
             line += f" {m:.2f} |" if m is not None else " - |"

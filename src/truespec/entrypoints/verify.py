@@ -3,7 +3,7 @@
 tokens, and both runs' top-2 logit margins there.
 
 Greedy decoding is deterministic, and truespec promises that speculation gives exactly the tokens of
-the run without it (DESIGN.md, invariant 4), so for a lossless knob any divergence is a bug. A
+the run without it (docs/ARCHITECTURE.md, invariant 4), so for a lossless knob any divergence is a bug. A
 divergence where the baseline's own margin is tiny is still reported: for a lossy knob (a quantized
 KV cache) a near-tie may legitimately flip, and the margins let the user judge.
 """
@@ -52,15 +52,11 @@ KNOBS: tuple[Knob, ...] = (
 def _stale_state(llm: LLM) -> None:
     """After each verify, point the request back at state slot 0 instead of the slot after its last accepted
     token: the recurrent-state bug of vLLM #40738 on hybrid models (nothing changes for dense models)."""
-    engine = llm.llm_engine
-    postprocess = engine._postprocess
 
-    def stale(s: object, tokens: list[int], logprobs: object, *rest: object) -> bool:
-        finished = postprocess(s, tokens, logprobs, *rest)
-        s.seq.state_index = 0
-        return finished
+    def stale(seq: object, num_accepted: int) -> None:
+        seq.state_index = 0
 
-    engine._postprocess = stale
+    llm.llm_engine.update_hooks.append(stale)
 
 
 # Faults injected into the candidate, to check that verify catches a real bug class (a self-test).

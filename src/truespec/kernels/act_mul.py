@@ -1,6 +1,6 @@
 """act(a) * b in one kernel: SwiGLU's silu(gate) * up, and gated attention's out * sigmoid(gate).
 
-Mirrors ``layers/activation.py``'s torch form op by op: the activation is computed in fp32 (fp64 for fp64)
+Mirrors ``ops/activation.py``'s ``act_mul_ref`` op by op: the activation is computed in fp32 (fp64 for fp64)
 and rounded to the model dtype, then the product is computed and rounded, as the two torch ops do.
 a and b are [T, N] or [T, H, N] views with a unit last stride (e.g. the halves of a merged gate/up output,
 or the gate interleaved per head in Qwen3.5's q projection); the output is contiguous.
@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 
 from truespec.kernels.triton_utils import tl_compute_dtype
-from truespec.layers.activation import KERNEL_ACTIVATIONS, act_mul_torch
+from truespec.ops.activation import KERNEL_ACTIVATIONS
 
 _MAX_BLOCK = 1024
 
@@ -69,7 +69,3 @@ def act_mul(a: torch.Tensor, b: torch.Tensor, activation: str) -> torch.Tensor:
         )  # fmt: skip
     return out
 
-
-def act_mul_ref(a: torch.Tensor, b: torch.Tensor, activation: str) -> torch.Tensor:
-    """The torch reference (``layers/activation.py``), same signature and result."""
-    return act_mul_torch(a, b, activation)

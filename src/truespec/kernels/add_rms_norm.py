@@ -1,5 +1,5 @@
 """The residual stream's add fused into the following RMSNorm, one program per row, matching
-``layers/norm.py``'s ``add_rms_norm_torch``:
+``ops/norm.py``'s ``add_rms_norm_ref``:
 
   residual' = (residual + x).to(dtype)         stored: the next layer adds to it
   out       = rms_norm(residual')              plain or unit-offset, exactly as kernels/rms_norm.py
@@ -12,7 +12,6 @@ import triton
 import triton.language as tl
 
 from truespec.kernels.triton_utils import reduce_sum, tl_compute_dtype
-from truespec.layers.norm import add_rms_norm_torch
 
 
 @triton.jit
@@ -66,9 +65,3 @@ def add_rms_norm(
         )  # fmt: skip
     return out, residual_out
 
-
-def add_rms_norm_ref(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool = False
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The torch reference (``layers/norm.py``), same signature and result."""
-    return add_rms_norm_torch(x, residual, weight, eps, unit_offset)

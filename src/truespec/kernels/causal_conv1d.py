@@ -2,22 +2,20 @@
 
 The window is the last K-1 conv *inputs* (model dtype). Request r continues the window in slot
 ``state_src[r]`` (-1: zeros) and, after each query token t >= state_write_start[r], stores the K-1
-inputs ending at t into slot ``state_dst[r] + t - state_write_start[r]`` (DESIGN.md invariant 2;
-state_dst -1 = inert). One program per (token, channel block), so prefill chunks run fully parallel.
+inputs ending at t into slot ``state_dst[r] + t - state_write_start[r]`` (docs/ARCHITECTURE.md
+invariant 2; state_dst -1 = inert). One program per (token, channel block), so prefill chunks run fully parallel.
 Because a source slot may lie in the request's own destination group (a verify keeping a window per
 position), the starting windows are first copied into a separate buffer [R, C, K-1] by one small gather
 kernel: the conv kernel runs after it on the stream, so every read of a source slot precedes every write.
 (A gather of only the rows with state_src >= 0: the conv kernel never reads the others, so the buffer needs
-no fill, and one launch replaces torch's clamp + index_select.)
+no fill, and it is one launch where torch takes two, a clamp and an index_select.)
 """
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
 from truespec.kernels.triton_utils import find_request, tl_compute_dtype
-from truespec.layers.activation import get_activation
 
 
 @triton.jit
@@ -149,31 +147,3 @@ def causal_conv1d(
     )  # fmt: skip
     return out
 
-
-def causal_conv1d_ref(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    conv_state: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    state_src: torch.Tensor,
-    state_dst: torch.Tensor,
-    state_write_start: torch.Tensor,
-    activation: str | None = "silu",
-) -> torch.Tensor:
-    """The torch reference (``layers/gdn.py``'s ``_conv`` and window writes), same signature and effect."""
-    channels = x.shape[1]
-    weight = weight.reshape(channels, 1, -1)
-    act = get_activation(activation) if activation else (lambda y: y)
-    out = torch.zeros_like(x)
-    qsl = query_start_loc.tolist()
-    src, dst, write_start = state_src.tolist(), state_dst.tolist(), state_write_start.tolist()
-    initial = [torch.zeros_like(conv_state[0]) if s < 0 else conv_state[s].clone() for s in src]  # reads first
-    for r in range(len(src)):
-        if qsl[r + 1] == qsl[r]:
-            continue
-        inputs = torch.cat([initial[r], x[qsl[r] : qsl[r + 1]].transpose(0, 1)], dim=-1)  # [C, K-1+L]
-        out[qsl[r] : qsl[r + 1]] = act(F.conv1d(inputs[None], weight, groups=channels)[0]).transpose(0, 1)
-        for t in range(qsl[r + 1] - qsl[r]):
-            if dst[r] >= 0 and t >= write_start[r]:
-                conv_state[dst[r] + t - write_start[r]] = inputs[:, t + 1 : t + weight.shape[-1]]
-    return out

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from truespec.kernels.gdn_recurrent import gdn_recurrent
+from truespec.ops.state_slots import StateSlots, gather_states
 
 MIN_CHUNK_LEN = 1024  # measured break-even ~800 tokens (bf16) / ~1100 (fp32); never below fla's chunk size, 64
 MAX_HEAD_K_DIM = 256  # fla's state kernel (chunk_gated_delta_rule_fwd_h) asserts head_k_dim <= 256
@@ -91,32 +92,11 @@ def _sub_start_loc(qsl: list[int], reqs: list[int]) -> list[int]:
     return starts
 
 
-def _gather_states(ssm_state: torch.Tensor, src: list[int]) -> torch.Tensor:
-    """A copy of the source slots' states, [len(src), HV, DK, DV]; zeros where the source is -1."""
-    states = torch.zeros(len(src), *ssm_state.shape[1:], dtype=ssm_state.dtype, device=ssm_state.device)
-    rows = [i for i, s in enumerate(src) if s >= 0]
-    if rows:
-        states[rows] = ssm_state[[src[i] for i in rows]]
-    return states
-
-
-@dataclass(frozen=True)
-class _HostMeta:
-    """Host copies of a step's per-request GDN metadata (forward_context.py's slot protocol)."""
-
-    qsl: list[int]
-    src: list[int]
-    dst: list[int]
-    write_start: list[int]
-
-    def query_len(self, r: int) -> int:
-        return self.qsl[r + 1] - self.qsl[r]
-
-    def sub_batch(self, reqs: list[int], device: torch.device) -> list[torch.Tensor]:
-        """(query_start_loc, state_src, state_dst, state_write_start) of ``reqs`` with their tokens packed."""
-        per_request = [[x[r] for r in reqs] for x in (self.src, self.dst, self.write_start)]
-        columns = [_sub_start_loc(self.qsl, reqs), *per_request]
-        return [torch.tensor(c, dtype=torch.int64, device=device) for c in columns]
+def _sub_batch(slots: StateSlots, reqs: list[int], device: torch.device) -> list[torch.Tensor]:
+    """(query_start_loc, state_src, state_dst, state_write_start) of ``reqs`` with their tokens packed."""
+    per_request = [[x[r] for r in reqs] for x in (slots.state_src, slots.state_dst, slots.state_write_start)]
+    columns = [_sub_start_loc(slots.query_start_loc, reqs), *per_request]
+    return [torch.tensor(c, dtype=torch.int64, device=device) for c in columns]
 
 
 @torch.no_grad()
@@ -147,22 +127,23 @@ def gdn_chunked(
     meta = (query_start_loc, state_src, state_dst, state_write_start)
     if ssm_state.is_cuda and torch.cuda.is_current_stream_capturing():  # host reads cannot be captured
         return gdn_recurrent(q, k, v, g, beta, ssm_state, *meta, scale, use_qk_l2norm)
-    host = _HostMeta(*(t.tolist() if cpu is None else cpu for t, cpu in (
+    slots = StateSlots(*(t.tolist() if cpu is None else cpu for t, cpu in (
         (query_start_loc, query_start_loc_cpu), (state_src, state_src_cpu), (state_dst, state_dst_cpu),
         (state_write_start, state_write_start_cpu))))  # fmt: skip
     kernel = _chunk_kernel()
     usable = kernel is not None and ssm_state.dtype == torch.float32 and q.shape[-1] <= MAX_HEAD_K_DIM
-    split = split_requests(host.qsl, host.dst, host.write_start, min_chunk_len if usable else float("inf"))
+    qsl = slots.query_start_loc
+    split = split_requests(qsl, slots.state_dst, slots.state_write_start, min_chunk_len if usable else float("inf"))
     if not split.chunked:
         return gdn_recurrent(q, k, v, g, beta, ssm_state, *meta, scale, use_qk_l2norm)
-    initial = _gather_states(ssm_state, [host.src[r] for r in split.chunked])  # reads before any write
+    initial = gather_states(ssm_state, [slots.state_src[r] for r in split.chunked])  # reads before any write
     out = torch.zeros(q.shape[0], v.shape[1], v.shape[2], dtype=v.dtype, device=v.device)
     if split.recurrent:
-        rows, sub_meta = _token_rows(host.qsl, split.recurrent, q.device), host.sub_batch(split.recurrent, q.device)
+        rows, sub_meta = _token_rows(qsl, split.recurrent, q.device), _sub_batch(slots, split.recurrent, q.device)
         sub_inputs = (x[rows] for x in (q, k, v, g, beta))
         out[rows] = gdn_recurrent(*sub_inputs, ssm_state, *sub_meta, scale, use_qk_l2norm)
-    rows = _token_rows(host.qsl, split.chunked, q.device)
-    cu_seqlens = torch.tensor(_sub_start_loc(host.qsl, split.chunked), dtype=torch.int64)
+    rows = _token_rows(qsl, split.chunked, q.device)
+    cu_seqlens = torch.tensor(_sub_start_loc(qsl, split.chunked), dtype=torch.int64)
     cdt = ssm_state.dtype  # fla's products in fp32 (TF32) even for bf16 inputs, as gdn_recurrent's math
     o, final = kernel(
         *(x[rows][None].to(cdt) for x in (q, k, v, g, beta)), scale=q.shape[-1] ** -0.5 if scale is None else scale,
@@ -170,8 +151,9 @@ def gdn_chunked(
         cu_seqlens=cu_seqlens.to(q.device), cu_seqlens_cpu=cu_seqlens,
     )  # fmt: skip
     out[rows] = o[0].to(out.dtype)
-    kept = [r for r in split.chunked if host.dst[r] >= 0 and host.write_start[r] == host.query_len(r) - 1]
-    if kept:  # final[i] is request split.chunked[i]'s state after its last token
-        final_rows = [split.chunked.index(r) for r in kept]
-        ssm_state[[host.dst[r] for r in kept]] = final[final_rows].to(ssm_state.dtype)
+    # final[i] is request split.chunked[i]'s state after its last token: stored where the protocol keeps it
+    last_slots = [slots.kept_slot(r, slots.query_len(r) - 1) for r in split.chunked]
+    kept = [i for i, slot in enumerate(last_slots) if slot is not None]
+    if kept:
+        ssm_state[[last_slots[i] for i in kept]] = final[kept].to(ssm_state.dtype)
     return out

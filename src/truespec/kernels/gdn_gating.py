@@ -3,50 +3,25 @@
   g    = -exp(A_log) * softplus(a + dt_bias)     log decay, in the compute dtype
   beta = sigmoid(b)                              rounded to the model dtype, then to the compute dtype
 
-as ``layers/gdn.py`` computes them (``gdn_gating_ref`` spells its two lines out). softplus is torch's:
+as ``ops/gdn.py``'s ``gdn_gating_ref`` computes them. softplus is torch's:
 x above 20 passes through, else log1p(exp(x)), with log1p(u) = log(1 + u) * u / ((1 + u) - 1), which
 keeps full relative precision for tiny u (Triton has no log1p).
 
 The arithmetic lives in one ``@triton.jit`` helper, ``gdn_gates``, which ``gdn_recurrent`` also calls when
 given the raw ``GateInputs`` (it then computes each token's gates itself, saving this launch): both kernels
-run the same operations in the same dtypes, so their g and beta are the same bits. This kernel remains for
+run the same operations in the same dtypes, so their g and beta are the same bits. This kernel serves
 the chunked prefill path (fla's kernel takes g and beta tensors).
 """
 
-from dataclasses import dataclass
-
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
 from truespec.kernels.triton_utils import tl_compute_dtype
-from truespec.layers.precision import compute_dtype
+from truespec.ops.gdn import GateInputs
+from truespec.ops.precision import compute_dtype
 
 SOFTPLUS_THRESHOLD = 20.0  # torch.nn.functional.softplus's default
-
-
-@dataclass(frozen=True)
-class GateInputs:
-    """The raw inputs of GDN's gates, all in the model dtype (validated here, for every kernel that takes them)."""
-
-    a: torch.Tensor  # [T, HV], the in_proj_a output: unit last stride, any row stride
-    b: torch.Tensor  # [T, HV], the in_proj_b output: same
-    A_log: torch.Tensor  # [HV], contiguous
-    dt_bias: torch.Tensor  # [HV], contiguous
-
-    def __post_init__(self) -> None:
-        a, b, A_log, dt_bias = self.a, self.b, self.A_log, self.dt_bias  # noqa: N806
-        if a.dim() != 2 or a.dtype != b.dtype or a.device != b.device:
-            raise ValueError(f"a {tuple(a.shape)} {a.dtype} and b {b.dtype} must be [T, HV] of one dtype and device")
-        num_heads = a.shape[-1]
-        if b.shape != a.shape or A_log.shape != (num_heads,) or dt_bias.shape != (num_heads,):
-            raise ValueError(
-                f"a {tuple(a.shape)}, b {tuple(b.shape)}, A_log {tuple(A_log.shape)}, dt_bias "
-                f"{tuple(dt_bias.shape)}: need a, b [T, HV] and A_log, dt_bias [HV]"
-            )
-        if a.stride(-1) != 1 or b.stride(-1) != 1 or not (A_log.is_contiguous() and dt_bias.is_contiguous()):
-            raise ValueError("a and b need a unit last stride; A_log and dt_bias must be contiguous")
 
 
 @triton.jit
@@ -108,12 +83,3 @@ def gdn_gating(
         )  # fmt: skip
     return g, beta
 
-
-def gdn_gating_ref(
-    a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The two lines of ``GatedDeltaNet.forward`` (layers/gdn.py), same signature and result."""
-    cdt = compute_dtype(a.dtype)
-    beta = b.sigmoid().to(cdt)
-    g = -A_log.to(cdt).exp() * F.softplus(a.to(cdt) + dt_bias.to(cdt))
-    return g.contiguous(), beta.contiguous()

@@ -3,7 +3,7 @@
 One program per (value tile, value head, request): it loads the request's initial state tile
 ``ssm_state[state_src[r], h, :, tile]`` (zeros if -1) into registers *before* writing anything, runs
 the request's tokens in order and, after each token t >= state_write_start[r], stores the state tile
-to slot ``state_dst[r] + t - state_write_start[r]`` (DESIGN.md invariant 2; state_dst -1 = inert).
+to slot ``state_dst[r] + t - state_write_start[r]`` (docs/ARCHITECTURE.md invariant 2; state_dst -1 = inert).
 A program only ever touches its own (head, tile) of any slot, so a source slot inside the request's
 own destination group is safe. (Two requests must not share slots: the engine's slot accounting.)
 
@@ -17,20 +17,18 @@ same bits), which saves the gating launch.
 
 Per token, in fp32 (fp64 for fp64), with q, k optionally L2-normalised here and q scaled:
   S = exp(g) S;  u = beta (v - S^T k);  S = S + k u^T;  o = S^T q.
-Long prefills would rather use a chunked (WY / UT-transform) kernel, e.g. FLA's chunk_gated_delta_rule;
-this token loop is exact but sequential over a request's tokens.
+This token loop is exact but sequential over a request's tokens; long prefill chunks can go through fla's
+chunked (WY / UT-transform) kernel instead (gdn_chunked.py).
 """
 
 import torch
 import triton
 import triton.language as tl
 
-from truespec.kernels.gdn_gating import SOFTPLUS_THRESHOLD, GateInputs, gdn_gates, gdn_gating_ref
+from truespec.kernels.gdn_gating import SOFTPLUS_THRESHOLD, gdn_gates
 from truespec.kernels.triton_utils import reduce_sum, tl_compute_dtype
-from truespec.layers.gdn import gated_delta_step, l2norm
-from truespec.layers.precision import compute_dtype
-
-L2NORM_EPS = 1e-6
+from truespec.ops.gdn import L2NORM_EPS, GateInputs
+from truespec.ops.precision import compute_dtype
 
 
 @triton.jit(do_not_specialize=["num_reqs", "num_tokens"])
@@ -107,7 +105,7 @@ def _gdn_recurrent_kernel(
     for t in range(start, end):
         q = tl.load(q_ptr + t * stride_q_tok + hk * stride_q_head + kk, mask=k_mask, other=0.0).to(ACC_DTYPE)
         k = tl.load(k_ptr + t * stride_k_tok + hk * stride_k_head + kk, mask=k_mask, other=0.0).to(ACC_DTYPE)
-        if USE_QK_L2NORM:  # x * rsqrt(sum x^2 + eps), as layers/gdn.py's l2norm
+        if USE_QK_L2NORM:  # x * rsqrt(sum x^2 + eps), as ops/gdn.py's l2norm
             q = q * (1.0 / tl.sqrt(reduce_sum(q * q, 0) + eps_acc))
             k = k * (1.0 / tl.sqrt(reduce_sum(k * k, 0) + eps_acc))
         q = q * scale_acc
@@ -159,7 +157,7 @@ def gdn_recurrent(
     ``gdn_gating``); ssm_state [num_slots, HV, DK, DV] in the compute dtype. q is scaled by ``scale``
     (default DK^-0.5) after the optional L2 norm. Returns o [T, HV, DV] in v's dtype (rows past
     query_start_loc[R], a graph's padding: zeros; requests are packed from row 0). ``block_v`` / ``num_warps``
-    only tune speed (benchmarks/tune_decode_kernels.py: one warp per [DK, 32] state tile was fastest on an
+    only tune speed (benchmarks/tune_decode_kernels.py: one warp per [DK, 32] state tile is the fastest on an
     H200 from BS 1 to 128); they are fixed, never chosen per batch, so a request's arithmetic does not depend
     on the batch it is in (invariant 4).
     """
@@ -206,42 +204,3 @@ def _gate_tensors(
     a, b = gate_inputs.a, gate_inputs.b
     return a, b, a, b, gate_inputs.A_log, gate_inputs.dt_bias
 
-
-def gdn_recurrent_ref(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor | None,
-    beta: torch.Tensor | None,
-    ssm_state: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    state_src: torch.Tensor,
-    state_dst: torch.Tensor,
-    state_write_start: torch.Tensor,
-    scale: float | None = None,
-    use_qk_l2norm: bool = True,
-    *,
-    gate_inputs: GateInputs | None = None,
-) -> torch.Tensor:
-    """The torch reference (``layers/gdn.py``: l2norm, ``gated_delta_step``), same signature and effect."""
-    if gate_inputs is not None:
-        g, beta = gdn_gating_ref(gate_inputs.a, gate_inputs.b, gate_inputs.A_log, gate_inputs.dt_bias)
-    cdt, repeat = ssm_state.dtype, v.shape[1] // q.shape[1]
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    out = torch.zeros(*v.shape, dtype=v.dtype, device=v.device)
-    qsl = query_start_loc.tolist()
-    src, dst, write_start = state_src.tolist(), state_dst.tolist(), state_write_start.tolist()
-    initial = [torch.zeros_like(ssm_state[0]) if s < 0 else ssm_state[s].clone() for s in src]  # reads first
-    for r in range(len(src)):
-        rows = slice(qsl[r], qsl[r + 1])
-        qr, kr = q[rows].to(cdt), k[rows].to(cdt)
-        if use_qk_l2norm:
-            qr, kr = l2norm(qr, L2NORM_EPS), l2norm(kr, L2NORM_EPS)
-        qr, kr = (qr * scale).repeat_interleave(repeat, dim=1), kr.repeat_interleave(repeat, dim=1)
-        vr, gr, br, state = v[rows].to(cdt), g[rows], beta[rows], initial[r]
-        for t in range(qr.shape[0]):
-            state, o = gated_delta_step(state, qr[t], kr[t], vr[t], gr[t], br[t])
-            out[qsl[r] + t] = o.to(v.dtype)
-            if dst[r] >= 0 and t >= write_start[r]:
-                ssm_state[dst[r] + t - write_start[r]] = state
-    return out

@@ -6,7 +6,7 @@ and emits (m, l, acc). A second kernel, one program per (row, query head), merge
 ``m = max m_i; l = sum l_i e^(m_i - m); out = sum acc_i e^(m_i - m) / l``, the sums over the split slots
 0..SPLITS_PAD-1 in one fixed reduction tree (slots past the row's splits add exact zeros).
 
-Split layout, the rule that keeps DESIGN.md invariant 4: a row with ``num_keys`` keys (position + 1) uses
+Split layout, the rule that keeps docs/ARCHITECTURE.md invariant 4: a row with ``num_keys`` keys (position + 1) uses
 ``split_size = round_up(max(MIN_SPLIT_KEYS, cdiv(num_keys, MAX_SPLITS)), BLOCK_N)`` keys per split and
 ``num_splits = cdiv(num_keys, split_size)`` (<= MAX_SPLITS) splits. That layout, the tiles each split walks
 (BLOCK_N-aligned from its start) and the merge are functions of ``num_keys`` and the compile-time constants
@@ -26,17 +26,18 @@ grid_splits, head_dim] in the accumulator dtype) holds ``max_workspace_bytes // 
 wrapper runs both kernels over fixed chunks of that many tokens (chunking by the static T only), reusing one
 workspace in stream order. At T=8192, 64 heads of 128, 16 splits: 520 KiB a row, chunks of 252 rows, 128 MiB.
 
-Measured on an H200 (bf16, block size 16, CUDA graph replay, us per call; old = one program per (token, kv
-head) with 8 warps; Qwen3.5-0.8B shape: 8 q / 2 kv heads of 256): BS=1 decode at 512 keys 28 -> 7.7, at 2048
-keys 106 -> 11, at 8192 keys 421 -> 28; BS=1 1+3 verify at 512 keys 28 -> ~7.5; BS=32 decode at 512 keys
-30 -> 18; BS=32 1+3 verify at 800 keys 66 -> 70 (enough rows already: splitting only adds the merge and the
-partial writes); 64 keys (one split) 5.4 -> 5.4; a 2048-token prefill 1192 -> 1064. A one-request 8192-token
-prefill with 64 heads of 128 slows 24.2 -> 29.4 ms (its fp32 partials, 0.5 MiB a row, are written and read back).
-Defaults: BLOCK_N 32, MAX_SPLITS 16, MIN_SPLIT_KEYS 64 (splits of >= 2 tiles), 4 warps; max_splits 32 halves
-the 8192-key decode (17.5 us) for +1 us at 512 keys. At 2 kv heads BS=1 fills only 2 * num_splits SMs: the
-gain comes from the shorter chain of dependent tiles per program, which is what bounded the old kernel.
+Why split: measured on an H200 (bf16, block size 16, CUDA graph replay, Qwen3.5-0.8B shape: 8 q / 2 kv heads
+of 256), us per call, this kernel vs an unsplit one (one program per (token, kv head), 8 warps): BS=1 decode at
+512 keys 7.7 vs 28, at 2048 keys 11 vs 106, at 8192 keys 28 vs 421; BS=1 1+3 verify at 512 keys ~7.5 vs 28;
+BS=32 decode at 512 keys 18 vs 30; BS=32 1+3 verify at 800 keys 70 vs 66 (enough rows already: splitting only
+adds the merge and the partial writes); 64 keys (one split) 5.4 vs 5.4; a 2048-token prefill 1064 vs 1192. A
+one-request 8192-token prefill with 64 heads of 128 takes 29.4 vs 24.2 ms (its fp32 partials, 0.5 MiB a row,
+are written and read back). Defaults: BLOCK_N 32, MAX_SPLITS 16, MIN_SPLIT_KEYS 64 (splits of >= 2 tiles),
+4 warps; max_splits 32 halves the 8192-key decode (17.5 us) for +1 us at 512 keys. At 2 kv heads BS=1 fills
+only 2 * num_splits SMs: the gain comes from the shorter chain of dependent tiles per program, which is what
+bounds the unsplit kernel.
 
-Not done here (later, for speed only):
+Not done here (speed only, correctness does not need them):
 - packing several query tokens of one request into a program's rows (K/V reuse for long prefills; it would
   also remove the partial traffic of long prefill rows).
 - FP8 / TurboQuant caches (the dequantise step slots in where K and V tiles are loaded).
@@ -55,7 +56,6 @@ from truespec.kernels.triton_utils import (
     reduce_sum,
     tl_compute_dtype,
 )
-from truespec.layers.attention import causal_attention, gather_kv
 
 BLOCK_N, MAX_SPLITS, MIN_SPLIT_KEYS, NUM_WARPS = 32, 16, 64, 4  # defaults, tuned on an H200 (module docstring)
 MAX_WORKSPACE_BYTES = 128 << 20
@@ -289,21 +289,3 @@ def paged_attention(
             )  # fmt: skip
     return out
 
-
-def paged_attention_ref(
-    q: torch.Tensor,
-    kv_cache: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    seq_lens: torch.Tensor,
-    block_tables: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
-    """The torch reference (``layers/attention.py``'s per-request loop), same signature and result."""
-    out = torch.zeros_like(q)
-    qsl, lens = query_start_loc.tolist(), seq_lens.tolist()
-    for r, seq_len in enumerate(lens):
-        start, end = qsl[r], qsl[r + 1]
-        if end > start:
-            keys, values = gather_kv(kv_cache, block_tables[r], seq_len)
-            out[start:end] = causal_attention(q[start:end], keys, values, seq_len - (end - start), scale)
-    return out

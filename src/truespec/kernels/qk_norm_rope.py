@@ -1,6 +1,6 @@
 """Per-head q/k RMSNorm (optional) and neox RoPE of q and k in one kernel, one program per (token, head).
 
-Matches ``layers/rotary.py``'s ``qk_norm_rotary_torch`` op by op: the norm is ``layers/norm.py``'s (plain
+Matches ``ops/rotary.py``'s ``qk_norm_rope_ref`` op by op: the norm is ``ops/norm.py``'s (plain
 or unit-offset weight, rounded to the model dtype), then over the first ``rotary_dim`` dims
 ``x * cos + rotate_half(x) * sin`` with each product and the sum rounded to the model dtype, as the torch
 ops round them; dims past ``rotary_dim`` (partial rotary) pass through. rotate_half(x)[d] is -x[d + R/2]
@@ -12,7 +12,6 @@ import triton
 import triton.language as tl
 
 from truespec.kernels.triton_utils import reduce_sum, tl_compute_dtype
-from truespec.layers.rotary import qk_norm_rotary_torch
 
 
 @triton.jit
@@ -119,16 +118,3 @@ def qk_norm_rope(
         )  # fmt: skip
     return q_out, k_out
 
-
-def qk_norm_rope_ref(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    q_weight: torch.Tensor | None = None,
-    k_weight: torch.Tensor | None = None,
-    eps: float = 1e-6,
-    unit_offset: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The torch reference (``layers/rotary.py``), same signature and result."""
-    return qk_norm_rotary_torch(q, k, cos, sin, q_weight, k_weight, eps, unit_offset)

@@ -5,7 +5,6 @@ import triton
 import triton.language as tl
 
 from truespec.kernels.triton_utils import pad_pow2
-from truespec.layers.attention import write_kv
 
 
 @triton.jit
@@ -58,7 +57,3 @@ def reshape_and_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, 
         HEAD_DIM_PAD=pad_pow2(head_dim, 1),
     )  # fmt: skip
 
-
-def reshape_and_cache_ref(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """The torch reference (``layers/attention.py``'s ``write_kv``), same signature and effect."""
-    write_kv(kv_cache, k, v, slot_mapping)

@@ -1,4 +1,4 @@
-"""Fused RMSNorm (plain / unit-offset) and gated RMSNorm, one program per row, matching layers/norm.py:
+"""Fused RMSNorm (plain / unit-offset) and gated RMSNorm, one program per row, matching ops/norm.py:
 
   plain:        w * normalize(x).to(dtype)                  (Llama, Qwen3: scale in the model dtype)
   unit offset:  (normalize(x) * (1 + w)).to(dtype)          (Qwen3.5: scale in the compute dtype)
@@ -12,7 +12,6 @@ import triton
 import triton.language as tl
 
 from truespec.kernels.triton_utils import reduce_sum, tl_compute_dtype
-from truespec.layers.norm import GatedRMSNorm, rms_norm_torch
 
 
 @triton.jit
@@ -76,14 +75,3 @@ def rms_norm(
         )  # fmt: skip
     return out.view(x.shape)
 
-
-def rms_norm_ref(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool = False, gate: torch.Tensor | None = None
-) -> torch.Tensor:
-    """The torch reference (``layers/norm.py``'s torch math, never its kernel path), same signature and result."""
-    if gate is None:
-        return rms_norm_torch(x, weight.to(x.dtype), eps, unit_offset)
-    norm = GatedRMSNorm(x.shape[-1], eps).to(device=x.device, dtype=x.dtype)
-    with torch.no_grad():
-        norm.weight.copy_(weight)
-        return norm(x, gate)

@@ -2,7 +2,7 @@
 
 At batch size 1 a projection reads its whole weight matrix to produce one row, so its time is the weight's
 bytes over the HBM bandwidth. On an H100, cuBLAS streams the 0.8B shape's projection weights at 1.87 TB/s at
-one row, against a 3.0 TB/s copy rate; this kernel at 2.70 TB/s (BENCHMARKS.md, session 4). Each program owns
+one row, against a 3.0 TB/s copy rate; this kernel at 2.70 TB/s (BENCHMARKS.md). Each program owns
 ``BLOCK_N`` output columns for every row: it streams its ``BLOCK_N x K`` slice of the weight once, in
 ``BLOCK_K`` chunks, and accumulates each row's dot products in fp32.
 
@@ -23,9 +23,9 @@ import torch
 import triton
 import triton.language as tl
 
-from truespec.kernels.act_mul import act_mul_block, act_mul_ref
+from truespec.kernels.act_mul import act_mul_block
 from truespec.kernels.triton_utils import reduce_sum, tl_compute_dtype
-from truespec.layers.activation import KERNEL_ACTIVATIONS
+from truespec.ops.activation import KERNEL_ACTIVATIONS
 
 MAX_ROWS = 8  # rows per launch (more rows: one launch per group of 8)
 BLOCK_N, BLOCK_K, NUM_WARPS = 8, 1024, 8  # the fastest on the 0.8B shape's projections at one row (H100)
@@ -97,15 +97,3 @@ def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
                                     ACT_DTYPE=tl_compute_dtype(x.dtype), num_warps=num_warps)
     return y
 
-
-def skinny_matmul_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                      input_act: str | None = None) -> torch.Tensor:
-    """The torch reference: fp32 (fp64 for fp64) products and sums, rounded once to x's dtype; with
-    ``input_act``, of the input ``act_mul_ref(gate, up, input_act)`` (in x's dtype, as the kernel's)."""
-    if input_act is not None:
-        x = act_mul_ref(*x.chunk(2, dim=-1), input_act)
-    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
-    y = x.to(acc) @ weight.to(acc).T
-    if bias is not None:
-        y = y + bias.to(acc)
-    return y.to(x.dtype)

@@ -5,7 +5,7 @@ Kernels here call only Triton *builtins* (no ``tl.sum`` / ``tl.max`` / ``tl.zero
 before ``TRITON_INTERPRET=1`` was set (transformers imports triton), and then fail in the interpreter.
 ``reduce_sum`` / ``reduce_max`` build the same ``tl.reduce`` as ``tl.sum`` / ``tl.max`` do for floats, with
 the same combine functions, which the interpreter recognises and runs as one numpy reduction (an unknown
-combine function falls back to a per-element Python loop: this test file ran 4x slower).
+combine function falls back to a per-element Python loop, about 4x slower).
 """
 
 import torch
@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 from triton.language.standard import _elementwise_max, _sum_combine
 
-from truespec.layers.precision import compute_dtype
+from truespec.ops.precision import compute_dtype
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.float64: tl.float64}
 

@@ -1,11 +1,14 @@
-"""Building blocks of the models: norms, RoPE, paged attention, Gated DeltaNet, MLP (torch reference paths)."""
+"""Building blocks of the models: norms, RoPE, paged attention, Gated DeltaNet, MLP.
+
+Each layer runs the Triton kernels on CUDA (``truespec.kernels``) and the torch references of
+``truespec.ops`` elsewhere; layers/backend.py decides which.
+"""
 
 from truespec.layers.attention import PagedAttention
 from truespec.layers.gdn import GatedDeltaNet
 from truespec.layers.mlp import GatedMLP
 from truespec.layers.norm import GatedRMSNorm, RMSNorm
-from truespec.layers.precision import compute_dtype
-from truespec.layers.rotary import RotaryEmbedding, apply_rotary, rope_from_config
+from truespec.layers.rotary import RotaryEmbedding, rope_from_config
 
 __all__ = [
     "GatedDeltaNet",
@@ -14,7 +17,5 @@ __all__ = [
     "PagedAttention",
     "RMSNorm",
     "RotaryEmbedding",
-    "apply_rotary",
-    "compute_dtype",
     "rope_from_config",
 ]

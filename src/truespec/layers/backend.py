@@ -17,6 +17,8 @@ def use_kernels(t: torch.Tensor) -> bool:
 
 @functools.cache
 def kernels() -> ModuleType:
+    """``truespec.kernels``, imported on first use: a CPU run never imports triton, and a test can switch on
+    ``TRITON_INTERPRET`` before the kernels are defined."""
     import truespec.kernels
 
     return truespec.kernels

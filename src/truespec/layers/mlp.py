@@ -9,8 +9,8 @@ The state dict keeps the checkpoint's ``gate_proj`` / ``up_proj`` names.
 import torch
 from torch import nn
 
-from truespec.layers.activation import get_activation
 from truespec.layers.linear import Linear, MergedLinear, use_checkpoint_names
+from truespec.ops.activation import get_activation
 
 
 class GatedMLP(nn.Module):

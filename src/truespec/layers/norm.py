@@ -1,37 +1,15 @@
 """RMSNorm variants: plain weight (Llama/Qwen3), unit-offset (1 + w, Qwen3.5) and gated (Qwen3.5 GDN).
 
 ``RMSNorm.add_norm`` is the residual stream's pre-norm: ``residual + x`` and its norm in one step (one
-fused kernel on CUDA), so a decoder layer never launches a separate residual add.
+fused kernel on CUDA), so a decoder layer never launches a separate residual add. The math, and the
+cast order each variant follows, is ``ops/norm.py``'s.
 """
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from truespec.layers.backend import kernels, use_kernels
-from truespec.layers.precision import compute_dtype
-
-
-def _rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """x * rsqrt(mean(x^2) + eps) over the last dim, in the compute dtype."""
-    h = x.to(compute_dtype(x.dtype))
-    return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-
-
-def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool) -> torch.Tensor:
-    """The torch math of ``RMSNorm`` (the CPU path and the reference of the Triton kernels)."""
-    h = _rms_normalize(x, eps)
-    if unit_offset:
-        return (h * (1.0 + weight.to(h.dtype))).to(x.dtype)
-    return weight * h.to(x.dtype)
-
-
-def add_rms_norm_torch(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rms_norm(residual + x), residual + x), the sum rounded to the model dtype before it is normed."""
-    residual = residual + x
-    return rms_norm_torch(residual, weight, eps, unit_offset), residual
+from truespec.ops.norm import add_rms_norm_ref, rms_norm_ref
 
 
 class RMSNorm(nn.Module):
@@ -52,7 +30,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if use_kernels(x) and x.stride(-1) == 1:  # one fused kernel (tests/test_kernels.py: same formula)
             return kernels().rms_norm(x, self.weight, self.eps, unit_offset=self.unit_offset)
-        return rms_norm_torch(x, self.weight, self.eps, self.unit_offset)
+        return rms_norm_ref(x, self.weight, self.eps, self.unit_offset)
 
     def add_norm(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(residual + x), residual + x); ``residual`` None: x starts the stream, (norm(x), x).
@@ -61,7 +39,7 @@ class RMSNorm(nn.Module):
             return self(x), x
         if use_kernels(x) and x.stride(-1) == 1 and residual.stride(-1) == 1:
             return kernels().add_rms_norm(x, residual, self.weight, self.eps, unit_offset=self.unit_offset)
-        return add_rms_norm_torch(x, residual, self.weight, self.eps, self.unit_offset)
+        return add_rms_norm_ref(x, residual, self.weight, self.eps, self.unit_offset)
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.eps}, unit_offset={self.unit_offset}"
@@ -77,9 +55,7 @@ class GatedRMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         # x, gate: [..., dim]. Norm before gate; the gate is applied in the compute dtype.
-        h = _rms_normalize(x, self.eps)
-        h = self.weight * h.to(x.dtype)
-        return (h * F.silu(gate.to(compute_dtype(x.dtype)))).to(x.dtype)
+        return rms_norm_ref(x, self.weight, self.eps, gate=gate)
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.eps}"

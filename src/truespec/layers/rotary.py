@@ -1,4 +1,5 @@
-"""Rotary position embedding (neox / rotate-half style, optionally partial) built from an HF config.
+"""Rotary position embedding (neox / rotate-half style, optionally partial) built from an HF config, and its
+application to q and k (with the optional q/k norm: one kernel on CUDA, ``ops/rotary.py`` elsewhere).
 
 The inverse-frequency table comes from transformers' own RoPE init functions (``ROPE_INIT_FUNCTIONS``),
 so every static scaling variant (linear, llama3, yarn, ...) is exactly transformers'. The table is
@@ -14,8 +15,9 @@ from torch import nn
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from truespec.layers.backend import kernels, use_kernels
-from truespec.layers.norm import RMSNorm, rms_norm_torch
-from truespec.layers.precision import compute_dtype
+from truespec.layers.norm import RMSNorm
+from truespec.ops.precision import compute_dtype
+from truespec.ops.rotary import qk_norm_rope_ref
 
 # "dynamic" and "longrope" change inv_freq with the longest sequence in the *batch* in transformers:
 # batch-dependent math that a paged KV cache (and invariant 1) cannot honour.
@@ -50,7 +52,7 @@ def rope_from_config(config: Any, head_dim: int) -> "RotaryEmbedding":
 
 
 class RotaryEmbedding(nn.Module):
-    """Computes (cos, sin) for a step's positions once; ``apply_rotary`` uses them in every layer."""
+    """Computes (cos, sin) for a step's positions once; ``apply_qk_norm_rotary`` uses them in every layer."""
 
     def __init__(self, head_dim: int, rotary_dim: int, inv_freq: torch.Tensor, attention_scaling: float) -> None:
         super().__init__()
@@ -78,37 +80,6 @@ class RotaryEmbedding(nn.Module):
         return f"head_dim={self.head_dim}, rotary_dim={self.rotary_dim}, scaling={self.attention_scaling}"
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat([-x2, x1], dim=-1)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate the first ``rotary_dim`` dims of every head; x: [num_tokens, num_heads, head_dim]."""
-    rotary_dim = cos.shape[-1]
-    cos, sin = cos[:, None, :], sin[:, None, :]  # broadcast over heads
-    x_rot, x_pass = x[..., :rotary_dim], x[..., rotary_dim:]
-    x_rot = x_rot * cos + _rotate_half(x_rot) * sin
-    return torch.cat([x_rot, x_pass], dim=-1)
-
-
-def qk_norm_rotary_torch(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    q_weight: torch.Tensor | None,
-    k_weight: torch.Tensor | None,
-    eps: float,
-    unit_offset: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-head RMSNorm of q [T, H, D] and k [T, HK, D] (skipped when the weights are None), then RoPE:
-    the CPU path and the reference of the fused Triton kernel (kernels/qk_norm_rope.py)."""
-    if q_weight is not None and k_weight is not None:
-        q, k = rms_norm_torch(q, q_weight, eps, unit_offset), rms_norm_torch(k, k_weight, eps, unit_offset)
-    return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-
-
 def apply_qk_norm_rotary(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -128,4 +99,4 @@ def apply_qk_norm_rotary(
         q_weight, k_weight, eps, unit_offset = q_norm.weight, k_norm.weight, q_norm.eps, q_norm.unit_offset
     if use_kernels(q) and q.stride(-1) == 1 and k.stride(-1) == 1:
         return kernels().qk_norm_rope(q, k, cos, sin, q_weight, k_weight, eps, unit_offset)
-    return qk_norm_rotary_torch(q, k, cos, sin, q_weight, k_weight, eps, unit_offset)
+    return qk_norm_rope_ref(q, k, cos, sin, q_weight, k_weight, eps, unit_offset)

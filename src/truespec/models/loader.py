@@ -15,15 +15,11 @@ import torch
 from safetensors import SafetensorError, safe_open
 from transformers import AutoConfig, PretrainedConfig
 
+from truespec.dtypes import DTYPE_NAMES
 from truespec.models.base import CausalLM
 from truespec.models.registry import get_model_class
 
-_DTYPES: dict[str, torch.dtype] = {
-    "float16": torch.float16, "half": torch.float16, "fp16": torch.float16,
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-    "float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
-    "float64": torch.float64, "double": torch.float64, "fp64": torch.float64,
-}  # fmt: skip
+_DTYPES: dict[str, torch.dtype] = {name: getattr(torch, attr) for name, attr in DTYPE_NAMES.items()}
 _INDEX_FILE = "model.safetensors.index.json"
 _TEXT_PREFIX, _MULTIMODAL_TEXT_PREFIX = "model.", "model.language_model."
 _IGNORED_PREFIXES = ("model.visual.", "visual.")

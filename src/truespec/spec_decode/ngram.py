@@ -1,7 +1,7 @@
 """Prompt-lookup (n-gram) drafting: find the longest suffix n-gram seen earlier, propose what followed."""
 
-from truespec.engine.model_runner import StepOutput
-from truespec.engine.scheduler import ScheduledSeq
+from truespec.spec_decode.interface import DraftRequest, Drafts
+from truespec.worker.runner_output import ModelRunnerOutput
 
 
 class NgramProposer:
@@ -10,14 +10,10 @@ class NgramProposer:
         self.min_n = prompt_lookup_min
         self.max_n = prompt_lookup_max
 
-    def propose(self, scheduled: list[ScheduledSeq], step: StepOutput) -> None:
-        """Set the drafts each request that just got a new token verifies next (ngram drafts are one-hot)."""
-        for s, tokens in zip(scheduled, step.tokens, strict=True):
-            seq = s.seq
-            if not tokens or seq.is_finished:
-                continue
-            seq.draft_token_ids = self.lookup(seq.token_ids, self.k)
-            seq.draft_probs = None
+    def propose(self, requests: list[DraftRequest], output: ModelRunnerOutput,
+                finished_req_ids: list[str]) -> dict[str, Drafts]:
+        """Drafts for each request that just got a new token (ngram drafts are one-hot: no probabilities)."""
+        return {r.request_id: Drafts(self.lookup(r.token_ids, r.max_drafts)) for r in requests if r.is_drafting}
 
     def lookup(self, token_ids: list[int], max_drafts: int) -> list[int]:
         """Up to ``min(k, max_drafts)`` tokens that followed the most recent earlier occurrence of the

@@ -1,34 +1,21 @@
-"""Which drafter a speculative config asks for. After each step a proposer sees what ran (and the
-target's hidden states) and sets ``seq.draft_token_ids`` (and ``seq.draft_probs`` when it samples) for
-every request that got a new token, to be verified in its next step."""
+"""Which proposer a speculative config asks for (``interface.py`` says what a proposer does)."""
 
-from collections.abc import Callable
 from dataclasses import replace
-from typing import Protocol
 
 import torch
 
 from truespec.config import SpeculativeConfig
-from truespec.engine.block_manager import BlockManager
-from truespec.engine.graph_runner import GraphSettings
-from truespec.engine.model_runner import StepOutput
-from truespec.engine.scheduler import ScheduledSeq
-from truespec.engine.sequence import Sequence
-from truespec.engine.state_manager import StateManager
 from truespec.models.eagle import load_eagle_head
 from truespec.models.loader import LoadedModel, load_model
 from truespec.models.mtp import load_mtp_head
+from truespec.spec_decode.interface import Proposer
 from truespec.spec_decode.model_drafter import ModelDrafter
 from truespec.spec_decode.ngram import NgramProposer
+from truespec.worker.graph_runner import GraphSettings
 
 
-class Proposer(Protocol):
-    def propose(self, scheduled: list[ScheduledSeq], step: StepOutput) -> None: ...
-
-
-def make_proposer(config: SpeculativeConfig | None, target: LoadedModel, blocks: BlockManager,
-                  states: StateManager, max_drafts: Callable[[Sequence], int], device: torch.device,
-                  seed: int, graphs: GraphSettings | None = None) -> Proposer | None:
+def make_proposer(config: SpeculativeConfig | None, target: LoadedModel, num_blocks: int, num_state_slots: int,
+                  device: torch.device, seed: int, graphs: GraphSettings) -> Proposer | None:
     if config is None:
         return None
     k = config.num_speculative_tokens
@@ -43,9 +30,14 @@ def make_proposer(config: SpeculativeConfig | None, target: LoadedModel, blocks:
             head = _load_draft_model(config.model, target, device)
     except (FileNotFoundError, ValueError) as e:  # say which part of the config it is about
         raise type(e)(f"speculative_config ({config.method}, model={config.model!r}): {e}") from e
-    if config.enforce_eager and graphs is not None:
+    if config.enforce_eager:
         graphs = replace(graphs, mode="NONE")
-    return ModelDrafter(head, k, blocks, states, max_drafts, device, seed, graphs, target.hf_config.hidden_size)
+    return ModelDrafter(head, k, num_blocks, num_state_slots, device, seed, graphs, target.hf_config.hidden_size)
+
+
+def num_lookahead_tokens(config: SpeculativeConfig | None) -> int:
+    """KV positions past a step's query that the proposer writes after it (its drafts), for the scheduler."""
+    return 0 if config is None or config.method == "ngram" else config.num_speculative_tokens
 
 
 def _load_draft_model(model_dir: str, target: LoadedModel, device: torch.device) -> torch.nn.Module:

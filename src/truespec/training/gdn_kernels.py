@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from transformers.models.qwen3_5 import modeling_qwen3_5
 
-_GDN_FN = modeling_qwen3_5.torch_chunk_gated_delta_rule  # fla's kernel when fla was importable, else torch
+_GDN_FN = modeling_qwen3_5.torch_chunk_gated_delta_rule  # fla's kernel when transformers found fla, else torch's
 REFERENCE = getattr(_GDN_FN, "__wrapped__", _GDN_FN)  # transformers' torch implementation
 
 _PATCHES = [  # (old, new): each `old` must occur exactly once in fla/ops/common/chunk_o.py

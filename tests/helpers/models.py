@@ -20,11 +20,11 @@ from transformers import (
     Qwen3Config,
 )
 
+from helpers import VOCAB_SIZE
 from truespec.forward_context import ForwardContext, set_forward_context
 from truespec.models.base import CausalLM
 
 L, F = "linear_attention", "full_attention"
-VOCAB = 131
 
 
 # ---------------------------------------------------------------------------------------------- configs
@@ -43,7 +43,7 @@ def tiny_qwen3_5_config(
 ) -> Qwen3_5TextConfig:
     """Odd sizes on purpose (hidden 72, intermediate 97); value heads grouped 2 per key head by default."""
     return Qwen3_5TextConfig(
-        vocab_size=VOCAB,
+        vocab_size=VOCAB_SIZE,
         hidden_size=72,
         intermediate_size=97,
         num_hidden_layers=len(layer_types),
@@ -64,7 +64,7 @@ def tiny_qwen3_5_config(
 
 def tiny_qwen3_config(*, tie: bool = True, attention_bias: bool = False) -> Qwen3Config:
     return Qwen3Config(
-        vocab_size=VOCAB,
+        vocab_size=VOCAB_SIZE,
         hidden_size=72,
         intermediate_size=97,
         num_hidden_layers=3,
@@ -83,7 +83,7 @@ def tiny_llama_config(
 ) -> LlamaConfig:
     """head_dim = 72 / 6 = 12 (derived, not set); 3 kv heads for 6 query heads."""
     return LlamaConfig(
-        vocab_size=VOCAB,
+        vocab_size=VOCAB_SIZE,
         hidden_size=72,
         intermediate_size=97,
         num_hidden_layers=3,

@@ -1,4 +1,4 @@
-"""Helpers for engine-level tests: a tiny real tokenizer saved beside a tiny random model."""
+"""A tiny real tokenizer (byte-level BPE trained on a few lines of code), saved beside a tiny random model."""
 
 from pathlib import Path
 

@@ -1,55 +1,34 @@
 """Continuous batching with chunked prefill and preemption by recompute (pure Python, no torch).
 
-Each step gets a token budget (``max_num_batched_tokens``). Running requests go first, in arrival
-order: a decoding request takes 1 token plus the drafts it verifies, a request still prefilling takes
-the next chunk of its prompt. Then waiting requests are admitted while the budget, ``max_num_seqs``, KV blocks and state
-groups allow. When a running request cannot get the KV blocks it needs, the most recently admitted
-running request is preempted: its blocks and state group are freed and it restarts its prefill
-(prompt + output so far) later, so its output is unchanged.
+Each step gets a token budget (``max_num_batched_tokens``). Running requests go first, in arrival order: a
+decoding request takes 1 token plus the drafts it verifies, a request still prefilling takes the next chunk of
+its prompt. Then waiting requests are admitted while the budget, ``max_num_seqs``, KV blocks and state groups
+allow. When a running request cannot get the KV blocks it needs, the most recently admitted running request is
+preempted: its blocks and state group are freed and it restarts its prefill (prompt + output so far) later, so
+its output is unchanged.
+
+The scheduler allocates every block a step writes: the query positions, and on a request's last chunk
+``num_lookahead_tokens`` more for the drafts a model drafter writes after the step (vLLM's lookahead slots).
 """
 
 from collections import deque
-from dataclasses import dataclass, field
 
-from truespec.engine.block_manager import BlockManager
-from truespec.engine.sequence import Sequence, SequenceStatus
-from truespec.engine.state_manager import StateManager
-
-
-@dataclass
-class ScheduledSeq:
-    seq: Sequence
-    num_new_tokens: int  # tokens of the sequence computed this step (prefill chunk, or 1 for a decode)
-    draft_token_ids: list[int] = field(default_factory=list)  # drafts verified after them (decodes only)
-    start: int = field(init=False)  # tokens the request had cached when scheduled
-    # True when this step computes up to the request's last token, so a new token is sampled
-    is_last_chunk: bool = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.start = self.seq.num_computed_tokens
-        self.is_last_chunk = self.start + self.num_new_tokens == self.seq.num_tokens
-
-    @property
-    def query_len(self) -> int:
-        return self.num_new_tokens + len(self.draft_token_ids)
-
-
-@dataclass
-class SchedulerOutput:
-    scheduled: list[ScheduledSeq] = field(default_factory=list)
-    preempted: list[Sequence] = field(default_factory=list)
+from truespec.core.scheduler_output import ScheduledRequest, SchedulerOutput
+from truespec.core.sequence import Sequence, SequenceStatus
+from truespec.kv_cache.manager import KVCacheManager
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, state_manager: StateManager, max_num_seqs: int,
-                 max_num_batched_tokens: int) -> None:
-        self.block_manager = block_manager
-        self.state_manager = state_manager
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 num_lookahead_tokens: int = 0) -> None:
+        self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.num_lookahead_tokens = num_lookahead_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0  # total since start, for tests and metrics
+        self._finished_ids: list[str] = []  # reported in the next SchedulerOutput
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -58,7 +37,8 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput()
+        out = SchedulerOutput(finished_req_ids=self._finished_ids)
+        self._finished_ids = []
         budget = self.max_num_batched_tokens
         i, skipped = 0, []
         while i < len(self.running) and budget > 0:
@@ -69,17 +49,16 @@ class Scheduler:
                 i += 1
                 continue
             n, drafts = plan
-            if not self._make_room(seq, n + len(drafts), out):
+            if not self._make_room(seq, self._num_tokens_to_hold(seq, n, drafts), out):
                 continue  # seq itself was preempted (it was the last running one)
-            self.block_manager.allocate(seq, n + len(drafts))
-            out.scheduled.append(ScheduledSeq(seq, n, drafts))
+            out.scheduled.append(self._schedule(seq, n, drafts))
             budget -= n + len(drafts)
             i += 1
         skipped += self.running[i:]  # not reached: the budget ran out
         if skipped:  # whoever waited this step goes first in the next (stable: otherwise arrival order)
             waited = set(map(id, skipped))
             self.running.sort(key=lambda s: id(s) not in waited)
-        if not out.preempted:
+        if not out.preempted_req_ids:
             self._admit(budget, out)
         return out
 
@@ -99,14 +78,33 @@ class Scheduler:
 
     def max_drafts(self, seq: Sequence) -> int:
         """Drafts a request may verify in one step: what fits a step's budget beside its input token, and
-        what it may still emit. Depends on the request alone (the proposer drafts no more than this)."""
+        what it may still emit. Depends on the request alone (proposers draft no more than this)."""
         return max(0, min(self.max_num_batched_tokens - 1, seq.max_output_len - len(seq.output_token_ids) - 1))
 
-    def _make_room(self, seq: Sequence, num_new_tokens: int, out: SchedulerOutput) -> bool:
-        while not self.block_manager.can_allocate(seq, num_new_tokens):
+    def _num_tokens_to_hold(self, seq: Sequence, n: int, drafts: list[int]) -> int:
+        """Positions the request's blocks must cover after this step: its query, plus the lookahead a model
+        drafter writes after a last chunk (never past the request's longest possible length)."""
+        end = seq.num_computed_tokens + n + len(drafts)
+        if end == seq.num_tokens + len(drafts) and self.num_lookahead_tokens:
+            end = min(end + self.num_lookahead_tokens, seq.prompt_len + seq.max_output_len)
+        return end
+
+    def _schedule(self, seq: Sequence, n: int, drafts: list[int]) -> ScheduledRequest:
+        self.kv.allocate(seq.request_id, self._num_tokens_to_hold(seq, n, drafts))
+        start = seq.num_computed_tokens
+        return ScheduledRequest(
+            request_id=seq.request_id, params=seq.params, num_computed_tokens=start,
+            num_scheduled_tokens=n + len(drafts), token_ids=seq.token_slice(start, start + n) + drafts,
+            draft_token_ids=drafts, draft_probs=seq.draft_probs if drafts else None,
+            block_ids=self.kv.block_ids(seq.request_id), first_state_slot=self.kv.first_state_slot(seq.request_id),
+            state_index=seq.state_index, num_output_tokens=len(seq.output_token_ids),
+            is_last_chunk=start + n == seq.num_tokens)
+
+    def _make_room(self, seq: Sequence, num_tokens: int, out: SchedulerOutput) -> bool:
+        while not self.kv.can_allocate(seq.request_id, num_tokens):
             victim = self.running[-1]
             self.preempt(victim)
-            out.preempted.append(victim)
+            out.preempted_req_ids.append(victim.request_id)
             if victim is seq:
                 return False
         return True
@@ -118,22 +116,22 @@ class Scheduler:
             if plan is None:
                 break
             n, drafts = plan
-            if not (self.state_manager.can_allocate() and self.block_manager.can_allocate(seq, n + len(drafts))):
+            if not (self.kv.state_groups.num_free
+                    and self.kv.can_allocate(seq.request_id, self._num_tokens_to_hold(seq, n, drafts))):
                 break
             self.waiting.popleft()
-            self.state_manager.allocate(seq)
-            self.block_manager.allocate(seq, n + len(drafts))
+            self.kv.allocate_state(seq.request_id)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            out.scheduled.append(ScheduledSeq(seq, n, drafts))
+            out.scheduled.append(self._schedule(seq, n, drafts))
             budget -= n + len(drafts)
 
     def preempt(self, seq: Sequence) -> None:
         """Free everything ``seq`` holds; it recomputes its prefill (prompt + output) later."""
         self.running.remove(seq)
-        self._release(seq)
+        self.kv.free(seq.request_id)
         seq.num_computed_tokens = 0  # its drafts stay: they ride on the last chunk of the re-prefill
-        seq.num_drafter_computed_tokens = 0
+        seq.state_index = 0
         seq.num_preemptions += 1
         self.num_preemptions += 1
         seq.status = SequenceStatus.WAITING
@@ -145,10 +143,7 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        self._release(seq)
+        self.kv.free(seq.request_id)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
-
-    def _release(self, seq: Sequence) -> None:
-        self.block_manager.free(seq)
-        self.state_manager.free(seq)
+        self._finished_ids.append(seq.request_id)

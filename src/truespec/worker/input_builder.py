@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from truespec.forward_context import ForwardContext
+from truespec.kv_cache.layout import kv_slots
 
 
 @dataclass
@@ -72,7 +73,7 @@ def build_step(rows: list[ContextRow], input_ids: list[int], positions: list[int
     query_start_loc, seq_lens, slot_mapping, logits_indices = [0], [], [], []
     for row in rows:
         end = row.start + row.query_len
-        slot_mapping += (row.block_ids[p // block_size] * block_size + p % block_size for p in range(row.start, end))
+        slot_mapping += kv_slots(row.block_ids, row.start, end, block_size)
         query_start_loc.append(query_start_loc[-1] + row.query_len)
         seq_lens.append(end)
         logits_indices += range(query_start_loc[-1] - row.num_logits, query_start_loc[-1])

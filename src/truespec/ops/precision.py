@@ -1,4 +1,4 @@
-"""Which dtype a layer computes its sensitive math in (norms, softmax, RoPE angles, GDN state)."""
+"""Which dtype the sensitive math runs in (norms, softmax, RoPE angles, GDN state)."""
 
 import torch
 
@@ -8,6 +8,6 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
     float32 for half dtypes mirrors transformers. transformers also drops float64 models to
     float32 inside norms/RoPE/GDN; we do not, so a float64 truespec run is exact end to end
-    (DESIGN.md invariant 5) and differs from transformers only by transformers' own float32 error.
+    (docs/ARCHITECTURE.md invariant 5) and differs from transformers only by transformers' own float32 error.
     """
     return torch.float64 if dtype == torch.float64 else torch.float32

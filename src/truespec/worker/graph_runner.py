@@ -2,10 +2,9 @@
 
 Graphs are keyed by the step's token count, padded up to the next capture size. A step of T tokens and R <= T
 requests runs the graph of the smallest capture size S >= T with S token rows and S request rows: the rows past
-the real ones are inert (context_builder.py), so the kernels write no KV and no state for them (DESIGN.md
-invariant 3). Every real row runs the same kernels as eagerly; only the projections' matmuls see S rows instead
-of T, which can round differently (as any change of batch shape can; tests/test_graph_runner.py,
-tests/test_gpu_graphs.py).
+the real ones are inert (input_builder.py), so the kernels write no KV and no state for them (docs/ARCHITECTURE.md,
+invariant 3). Every real row runs the same kernels as eagerly; only the projections' matmuls see S rows instead of
+T, which can round differently (as any change of batch shape can; tests/test_graph_runner.py, test_gpu_graphs.py).
 Every per-step input lives in static buffers updated in place before the replay: one host-to-device copy
 of the packed int64 metadata, plus the hidden states a draft head reads.
 
@@ -24,16 +23,17 @@ from dataclasses import dataclass, field
 
 import torch
 
-from truespec.engine.context_builder import ContextRow, StepInputs, build_step, packed_size, split_packed
 from truespec.forward_context import ForwardContext, set_forward_context
 from truespec.layers.backend import cudagraph_unsupported_reason
+from truespec.worker.input_builder import ContextRow, StepInputs, build_step, packed_size, split_packed
 
 logger = logging.getLogger("truespec")
 
 
 @dataclass(frozen=True)
 class GraphSettings:
-    """What the engine decides once for the target and every drafter (the same mode for all, CONTEXT.md 4)."""
+    """What the engine decides once for the target and every drafter (the same mode for all: a drafter
+    replays graphs whenever the target does)."""
 
     mode: str = "NONE"
     capture_sizes: list[int] = field(default_factory=list)

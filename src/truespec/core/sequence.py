@@ -1,8 +1,12 @@
-"""Request state: token ids, how many are in the cache, where its KV blocks and state slots are."""
+"""One request's state: its tokens, how many are in the cache, its drafts, its timestamps.
 
+Only the engine package changes a Sequence: the scheduler its status and, on preemption, its progress; the
+engine the tokens, progress and drafts a step produced; the output processor its text and finish. Which KV
+blocks and state slots it holds is recorded by the ``KVCacheManager`` under its ``request_id``.
+"""
+
+import time
 from enum import Enum, auto
-
-import torch
 
 from truespec.sampling_params import SamplingParams
 
@@ -18,7 +22,7 @@ class SequenceStatus(Enum):
 
 class Sequence:
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                 params: SamplingParams, max_output_len: int) -> None:
+                 params: SamplingParams, max_output_len: int, arrival_time: float | None = None) -> None:
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
@@ -31,21 +35,19 @@ class Sequence:
         self.stop_reason: int | str | None = None  # the stop string / stop token that ended it
         self.output_text = ""
         self.num_computed_tokens = 0  # tokens whose KV / state is in the cache
-        self.block_ids: list[int] = []
-        self.state_group: int | None = None  # recurrent-state group (1 + k_max slots)
-        self.state_index = 0  # slot inside the group holding the state after the last computed token
+        self.state_index = 0  # slot of its state group holding the state after the last computed token
         self.num_preemptions = 0
-        self.num_drafter_computed_tokens = 0  # positions in a model drafter's cache
         self.draft_token_ids: list[int] = []  # proposed for the next step's verify
         self.draft_probs = None  # [len(draft_token_ids), vocab] tensor when the drafter sampled, else None
+        # timestamps (time.monotonic()): arrival, each output token's delivery, finish
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.token_times: list[float] = []  # one per output token (a step's tokens share its time)
+        self.finished_time: float | None = None
 
-    def make_generator(self, device: object, engine_seed: int, stream: int = 0) -> "torch.Generator":
-        """The request's own random stream (``stream`` 0: the target's sampling; 1: a drafter's), seeded by
-        ``params.seed`` or else by the engine seed and the request id: the same whatever the batch."""
-        base = self.params.seed if self.params.seed is not None else engine_seed * 1_000_003 + int(self.request_id)
-        gen = torch.Generator(device=device)
-        gen.manual_seed((base + stream * 0x9E3779B97F4A7C15) % 2**64)
-        return gen
+    def advance(self, num_new_tokens: int, num_accepted: int) -> None:
+        """Move past ``num_new_tokens`` computed sequence tokens and ``num_accepted`` verified drafts."""
+        self.num_computed_tokens += num_new_tokens + num_accepted
+        self.state_index = num_accepted  # the slot of the group holding the state after the last accepted token
 
     @property
     def token_ids(self) -> list[int]:

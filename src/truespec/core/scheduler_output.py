@@ -1,0 +1,55 @@
+"""The contract between the scheduler and the model runner: one ``SchedulerOutput`` per step.
+
+It is plain data: everything the runner needs to build the step's inputs and sample, copied out of the
+requests, so the runner never reads or changes a ``Sequence``. Token counts are named as vLLM names them:
+``num_scheduled_tokens`` counts a request's query tokens this step, drafts included.
+"""
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from truespec.sampling_params import SamplingParams
+
+
+@dataclass
+class ScheduledRequest:
+    request_id: str
+    params: SamplingParams
+    num_computed_tokens: int  # tokens already in the cache: the first query position
+    num_scheduled_tokens: int  # query tokens this step: sequence tokens, then drafts
+    token_ids: list[int]  # the query tokens' ids (an unknown async token is -1, filled in on the device)
+    draft_token_ids: list[int]  # the drafts verified after the sequence tokens (only on a request's last chunk)
+    draft_probs: Any  # [len(draft_token_ids), vocab] tensor when the drafter sampled, else None
+    block_ids: list[int]  # the request's KV block table (covers every query position)
+    first_state_slot: int  # where its group of 1 + k recurrent-state slots starts
+    state_index: int  # slot of the group with the state after the last computed token
+    num_output_tokens: int  # output tokens before this step (min_tokens counts from here)
+    is_last_chunk: bool  # the step computes up to the request's last token, so it samples a new one
+
+    @property
+    def num_new_tokens(self) -> int:
+        """Sequence tokens computed this step (a prefill chunk, or 1 for a decode), drafts excluded."""
+        return self.num_scheduled_tokens - len(self.draft_token_ids)
+
+    @property
+    def state_src(self) -> int:
+        """The flat slot the step starts from; -1 (zeros) before the request's first token."""
+        return self.first_state_slot + self.state_index if self.num_computed_tokens else -1
+
+    @property
+    def num_logits(self) -> int:
+        """Rows the sampler needs: 1 + drafts on the last chunk, none for an earlier prefill chunk."""
+        return 1 + len(self.draft_token_ids) if self.is_last_chunk else 0
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted_req_ids: list[str] = field(default_factory=list)  # freed this step; they re-prefill later
+    # requests that finished or were aborted since the previous step: holders of per-request state (sampling
+    # generators, drafter streams) drop it
+    finished_req_ids: list[str] = field(default_factory=list)
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(r.num_scheduled_tokens for r in self.scheduled)

@@ -1,0 +1,57 @@
+"""The cache tensors on the device: their shapes, their bytes, allocating them, and where a token's K/V goes.
+
+- KV of one attention layer: ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` in the model dtype
+  (index 0 = K, 1 = V; the shape each ``PagedAttention`` declares in ``kv_cache_shape``). The K/V of position
+  ``p`` of a request with block table ``bt`` sit at flat slot ``bt[p // block_size] * block_size +
+  p % block_size`` (``kv_slots``); slot -1 is never written (padded rows, docs/ARCHITECTURE.md invariant 3).
+- Recurrent state of one GDN layer: ``conv_state [num_state_slots, *conv_shape]`` and ``ssm_state
+  [num_state_slots, *ssm_shape]``, in the dtypes the layer declares (``state_shapes`` / ``state_dtypes``).
+
+A drafter with its own layers gets caches of the same block and slot counts: it reads the target's block
+tables and state groups (``spec_decode/model_drafter.py``).
+"""
+
+import torch
+
+
+def kv_slots(block_ids: list[int], start: int, end: int, block_size: int) -> list[int]:
+    """The flat KV slots of positions ``start .. end - 1`` of a request whose block table is ``block_ids``."""
+    return [block_ids[p // block_size] * block_size + p % block_size for p in range(start, end)]
+
+
+def kv_bytes_per_token(model: torch.nn.Module) -> int:
+    """K and V bytes one token takes over all of the model's attention layers."""
+    elem = _element_size(model.dtype)
+    return sum(2 * layer.num_kv_heads * layer.head_dim * elem for layer in model.attention_layers())
+
+
+def state_bytes_per_slot(model: torch.nn.Module) -> int:
+    """Conv and SSM state bytes of one state slot over all of the model's GDN layers."""
+    total = 0
+    for layer in model.gdn_layers():
+        for shape, dtype in zip(layer.state_shapes(), layer.state_dtypes(), strict=True):
+            total += _numel(shape) * _element_size(dtype)
+    return total
+
+
+def allocate_caches(model: torch.nn.Module, num_blocks: int, block_size: int, num_state_slots: int,
+                    device: torch.device) -> None:
+    """Bind zeroed caches to a model's (or drafter's) layers: paged KV for its attention layers, state slots
+    for its GDN layers."""
+    for layer in model.attention_layers():
+        layer.kv_cache = torch.zeros(layer.kv_cache_shape(num_blocks, block_size), dtype=model.dtype, device=device)
+    for layer in model.gdn_layers():
+        (conv_shape, ssm_shape), (conv_dtype, ssm_dtype) = layer.state_shapes(), layer.state_dtypes()
+        layer.conv_state = torch.zeros(num_state_slots, *conv_shape, dtype=conv_dtype, device=device)
+        layer.ssm_state = torch.zeros(num_state_slots, *ssm_shape, dtype=ssm_dtype, device=device)
+
+
+def _element_size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n

@@ -1,0 +1,44 @@
+"""What a proposer is given after each step, and what it returns.
+
+After the target's step the engine hands every proposer one ``DraftRequest`` per request that ran and is still
+running, and the step's ``ModelRunnerOutput`` (the target's hidden states). The proposer returns, for each
+request that got a new token (``max_drafts`` is set for those), the drafts its next step verifies, and their
+probabilities when it sampled them. A proposer keeps no copy of a request's progress: everything it needs is in
+the ``DraftRequest``, and the blocks and state slots it writes were allocated by the scheduler.
+"""
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from truespec.sampling_params import SamplingParams
+from truespec.worker.runner_output import ModelRunnerOutput
+
+
+@dataclass
+class DraftRequest:
+    request_id: str
+    params: SamplingParams
+    token_ids: list[int]  # every known token: prompt, output, and the step's new tokens
+    num_prompt_tokens: int
+    step_start: int  # tokens in the target's cache before the step (the step's first position)
+    num_computed_tokens: int  # tokens in the target's cache after the step (verified positions)
+    row: int  # the request's index in the step (its hidden rows start at output.query_start_loc[row])
+    block_ids: list[int]
+    first_state_slot: int
+    is_drafting: bool  # it got a new token: draft for its next step
+    max_drafts: int  # at most this many drafts (0 when not drafting)
+
+
+@dataclass
+class Drafts:
+    token_ids: list[int]
+    probs: torch.Tensor | None = None  # [len(token_ids), vocab] when the drafter sampled them
+
+
+class Proposer(Protocol):
+    def propose(self, requests: list[DraftRequest], output: ModelRunnerOutput,
+                finished_req_ids: list[str]) -> dict[str, Drafts]:
+        """Drafts for the requests with ``is_drafting``, by request id (absent: none)."""
+        ...

@@ -1,0 +1,195 @@
+"""Runs one step: a ``SchedulerOutput`` in, a ``ModelRunnerOutput`` out.
+
+Builds the step's tensors from the scheduled requests, runs the model (eagerly or from a CUDA graph), and samples
+or verifies each request's tokens. It owns the device-side caches (bound to the layers once at start-up) and the
+random streams of sampling requests; it never reads or changes engine objects.
+"""
+
+from dataclasses import dataclass, field
+
+import torch
+
+from truespec.core.scheduler_output import ScheduledRequest, SchedulerOutput
+from truespec.kv_cache.layout import allocate_caches, kv_bytes_per_token, state_bytes_per_slot
+from truespec.layers.rejection_sampler import emitted_tokens, greedy_verify, rejection_sample_draws
+from truespec.sampling_params import SamplingParams
+from truespec.worker.graph_runner import GraphRunner, GraphSettings
+from truespec.worker.input_builder import ContextRow
+from truespec.worker.runner_output import ModelRunnerOutput
+
+
+@dataclass
+class LaunchedStep:
+    """A step queued on the device (``ModelRunner.launch``) whose tokens ``ModelRunner.collect`` reads."""
+
+    scheduled: list[ScheduledRequest]
+    finished_req_ids: list[str]  # of its SchedulerOutput: the proposer drops their state too
+    logits: torch.Tensor  # [rows, vocab] float, min_tokens bans applied
+    output: ModelRunnerOutput
+    spans: list[tuple[int, int]] = field(default_factory=list)  # per request: (first logits row, rows)
+    raw: dict[int, torch.Tensor] = field(default_factory=dict)  # log-softmax rows of logprobs requests
+    argmax: torch.Tensor | None = None  # [rows] on the device: the greedy tokens
+    # on the host (pinned; valid once ``done``): ``argmax`` if any request is greedy, then each random request's
+    # draws (``rejection_sample_draws``); ``offsets``: per request, where its values start in it
+    values_host: torch.Tensor | None = None
+    offsets: list[int] = field(default_factory=list)
+    done: "torch.cuda.Event | None" = None
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, device: torch.device, dtype: torch.dtype, seed: int,
+                 eos_token_ids: set[int]) -> None:
+        self.model = model
+        self.device = device
+        self.dtype = dtype
+        self.seed = seed
+        self.eos_token_ids = eos_token_ids  # banned before a request's min_tokens (unless ignore_eos)
+        self._generators: dict[str, torch.Generator] = {}
+        self.graphs = GraphRunner(model, "target", GraphSettings(), device)  # eager until init_graphs
+
+    # ---- caches and graphs -----------------------------------------------------------------
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return kv_bytes_per_token(self.model)
+
+    @property
+    def state_bytes_per_slot(self) -> int:
+        return state_bytes_per_slot(self.model)
+
+    def allocate_caches(self, num_blocks: int, block_size: int, num_state_slots: int) -> None:
+        allocate_caches(self.model, num_blocks, block_size, num_state_slots, self.device)
+
+    def init_graphs(self, settings: GraphSettings) -> None:
+        """After ``allocate_caches``: set up the forward (eager or CUDA graphs) and capture the graphs."""
+        self.graphs = GraphRunner(self.model, "target", settings, self.device)
+        self.graphs.capture()
+
+    # ---- one step --------------------------------------------------------------------------
+    # A step is ``launch`` (the target scores every request's tokens and drafts) then ``collect`` (sample /
+    # verify); the engine may queue the next launch in between (async scheduling).
+    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step and wait for its tokens."""
+        return self.collect(self.launch(sched))
+
+    @torch.inference_mode()
+    def launch(self, sched: SchedulerOutput, input_ids_from: torch.Tensor | None = None) -> LaunchedStep:
+        """Queue a step's forward, logits and tokens on the device, without waiting for them.
+
+        ``input_ids_from``: a device tensor whose first T values replace the step's T input ids (async
+        scheduling: the previous step's argmax, still being computed, feeds this step's decodes)."""
+        for request_id in sched.finished_req_ids:
+            self._generators.pop(request_id, None)
+        scheduled = sched.scheduled
+        rows, input_ids, positions = self.prepare(scheduled)
+        decode_only = all(r.num_new_tokens == 1 for r in scheduled)
+        hidden, ctx = self.graphs.run(rows, input_ids, positions, decode_only=decode_only,
+                                      input_ids_from=input_ids_from)
+        logits = self.model.compute_logits(hidden[ctx.logits_indices])
+        logits = logits if logits.dtype == torch.float64 else logits.float()
+        output = ModelRunnerOutput([r.request_id for r in scheduled], hidden_states=hidden,
+                                   query_start_loc=ctx.query_start_loc_cpu)
+        step = LaunchedStep(scheduled, sched.finished_req_ids, logits, output)
+        row = 0
+        for r in scheduled:  # rows [row, row + 1 + drafts) of the requests whose last chunk ran
+            n = r.num_logits
+            step.spans.append((row, n))
+            if n and r.params.logprobs is not None:  # of the raw logits (before min_tokens bans), as vLLM
+                step.raw[row] = torch.log_softmax(logits[row:row + n], dim=-1)
+            num_banned_rows = min(n, r.params.min_tokens - r.num_output_tokens)  # row i: output token num_output + i
+            banned = self._min_tokens_bans(r.params) if num_banned_rows > 0 else []
+            if banned:
+                logits[row:row + num_banned_rows, banned] = float("-inf")
+            row += n
+        self._queue_tokens(step)
+        return step
+
+    def _min_tokens_bans(self, params: SamplingParams) -> list[int]:
+        """Tokens a request may not emit before ``min_tokens``: its stop tokens, and EOS unless ``ignore_eos``."""
+        return sorted(set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids))
+
+    def _queue_tokens(self, step: LaunchedStep) -> None:
+        """Queue every request's tokens on the device (one argmax over the batch for the greedy ones, the draws of
+        each random one with its own generator) and one copy of them all to the host behind an event: no
+        per-request sync, and the host may queue the next step before this one ends."""
+        values = []
+        if any(r.params.is_greedy for r in step.scheduled):
+            step.argmax = step.logits.argmax(dim=-1)
+            values.append(step.argmax)
+        offset = len(step.logits) if values else 0
+        for r, (start, n) in zip(step.scheduled, step.spans, strict=True):
+            if n == 0 or r.params.is_greedy:
+                step.offsets.append(start)
+                continue
+            values.append(rejection_sample_draws(step.logits[start:start + n], r.draft_token_ids, r.draft_probs,
+                                                 r.params, self._generator(r.request_id, r.params)))
+            step.offsets.append(offset)
+            offset += len(values[-1])
+        if values:
+            step.values_host = torch.cat(values).to("cpu", non_blocking=True)
+            if self.device.type == "cuda":  # on this device's stream, also when another device is current
+                step.done = torch.cuda.Event()
+                step.done.record(torch.cuda.current_stream(self.device))
+
+    @torch.inference_mode()
+    def collect(self, step: LaunchedStep) -> ModelRunnerOutput:
+        """Wait for a launched step; per request, its accepted drafts and new token (greedy or sampled)."""
+        if step.done is not None:
+            step.done.synchronize()
+        values = step.values_host.tolist() if step.values_host is not None else []  # the step's one host read
+        out = step.output
+        for r, (start, n), at in zip(step.scheduled, step.spans, step.offsets, strict=True):
+            if n == 0:
+                out.sampled_token_ids.append([])
+                out.logprobs.append(None)
+                continue
+            if r.params.is_greedy:  # the argmax of its 1 + d rows
+                tokens = greedy_verify(r.draft_token_ids, values[at:at + n])
+            else:  # its d accept flags and 1 + d samples
+                tokens = emitted_tokens(r.draft_token_ids, values[at:at + 2 * n - 1])
+            out.sampled_token_ids.append(tokens)
+            num = r.params.logprobs
+            out.logprobs.append(None if num is None else _top_logprobs(step.raw[start], tokens, num))
+        return out
+
+    @staticmethod
+    def prepare(scheduled: list[ScheduledRequest]) -> tuple[list[ContextRow], list[int], list[int]]:
+        """The step's rows, input ids and positions (the state after the last sequence token and after every
+        draft is kept: docs/ARCHITECTURE.md, invariant 2)."""
+        input_ids: list[int] = []
+        positions: list[int] = []
+        rows = []
+        for r in scheduled:
+            start = r.num_computed_tokens
+            input_ids += r.token_ids
+            positions += range(start, start + r.num_scheduled_tokens)
+            rows.append(ContextRow(r.block_ids, start, r.num_scheduled_tokens, r.state_src, r.first_state_slot,
+                                   r.num_new_tokens - 1, r.num_logits))
+        return rows, input_ids, positions
+
+    def _generator(self, request_id: str, params: SamplingParams) -> torch.Generator:
+        gen = self._generators.get(request_id)
+        if gen is None:
+            gen = self._generators[request_id] = request_generator(params, request_id, self.seed, self.device)
+        return gen
+
+
+def request_generator(params: SamplingParams, request_id: str, engine_seed: int, device: torch.device,
+                      stream: int = 0) -> torch.Generator:
+    """A request's own random stream (``stream`` 0: the target's sampling; 1: a drafter's), seeded by
+    ``params.seed`` or else by the engine seed and the request id: the same whatever the batch."""
+    base = params.seed if params.seed is not None else engine_seed * 1_000_003 + int(request_id)
+    gen = torch.Generator(device=device)
+    gen.manual_seed((base + stream * 0x9E3779B97F4A7C15) % 2**64)
+    return gen
+
+
+def _top_logprobs(logprobs: torch.Tensor, tokens: list[int], num: int) -> list[dict[int, float]]:
+    """For each emitted token: its log-probability and the ``num`` most likely tokens' (log-softmax of the raw
+    logits, before temperature / top-k / top-p)."""
+    out = []
+    for row, token in zip(logprobs, tokens, strict=False):
+        top = torch.topk(row, num) if num > 0 else None
+        entry = {} if top is None else dict(zip(top.indices.tolist(), top.values.tolist(), strict=True))
+        entry[token] = float(row[token])
+        out.append(entry)
+    return out
