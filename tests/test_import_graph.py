@@ -20,8 +20,8 @@ ORDER = ["entrypoints", "llm", "engine", "spec_decode", "worker", "core", "kv_ca
          "ops"]  # fmt: skip
 LEAVES = {"config", "sampling_params", "outputs", "forward_context", "tokenizer", "assets", "dtypes"}
 TOP = {ROOT, f"{ROOT}.__main__"}  # the package's public face and ``python -m truespec``: above everything
-# Packages being written now: checked once they exist. The rest of ORDER must exist.
-NOT_YET_REQUIRED = {"engine", "spec_decode", "worker", "core", "kv_cache"}
+# Request and cache bookkeeping: plain Python, testable without torch (docs/ARCHITECTURE.md)
+TORCH_FREE = ["core", "kv_cache.block_pool", "kv_cache.manager", "kv_cache.config"]
 
 
 def module_files() -> dict[str, Path]:
@@ -146,8 +146,7 @@ def graph() -> dict[str, set[str]]:
 
 def test_every_package_has_a_place_in_the_order(graph: dict[str, set[str]]) -> None:
     assert not unplaced_units(graph), "add these to ORDER or LEAVES in tests/test_import_graph.py"
-    present = {unit_of(m) for m in graph}
-    assert set(ORDER) - NOT_YET_REQUIRED <= present
+    assert set(ORDER) <= {unit_of(m) for m in graph}
 
 
 def test_imports_only_run_downward(graph: dict[str, set[str]]) -> None:
@@ -158,14 +157,34 @@ def test_no_import_cycle_between_modules(graph: dict[str, set[str]]) -> None:
     assert cycles(graph) == []
 
 
+def top_level_imports(path: Path) -> set[str]:
+    """The top-level names of every module ``path`` imports (``torch`` for ``torch.nn``)."""
+    tree = ast.parse(path.read_text())
+    imported = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+    imported += [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and not n.level]
+    return {m.split(".")[0] for m in imported}
+
+
 def test_torch_references_import_no_triton() -> None:
     """ops/ is the triton-free home of every torch reference: the CPU path runs without triton installed."""
     for name, path in module_files().items():
         if unit_of(name) == "ops":
-            tree = ast.parse(path.read_text())
-            imported = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
-            imported += [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
-            assert not [m for m in imported if m.split(".")[0] == "triton"], name
+            assert "triton" not in top_level_imports(path), name
+
+
+def test_request_bookkeeping_imports_no_torch(graph: dict[str, set[str]]) -> None:
+    """The scheduler and the cache accounting are plain Python (their tests need no tensors), and so is every
+    truespec module they import."""
+    modules = module_files()
+    roots = [m for m in modules if any(m == f"{ROOT}.{p}" or m.startswith(f"{ROOT}.{p}.") for p in TORCH_FREE)]
+    seen, todo = set(), list(roots)
+    while todo:
+        module = todo.pop()
+        if module not in seen:
+            seen.add(module)
+            todo += graph[module]
+    assert len(roots) >= 6
+    assert [m for m in sorted(seen) if "torch" in top_level_imports(modules[m])] == []
 
 
 def test_checker_sees_lazy_imports_and_cycles(tmp_path: Path) -> None:

@@ -40,7 +40,7 @@ class LLM:
         outputs: dict[str, RequestOutput] = {}
         try:
             with tqdm(total=len(seqs), desc="generate", disable=not use_tqdm or len(seqs) < 2) as bar:
-                while len(outputs) < len(seqs):
+                while any(not seq.is_finished for seq in seqs):
                     done = engine.step()
                     outputs.update((out.request_id, out) for out in done)
                     bar.update(len(done))
@@ -48,7 +48,8 @@ class LLM:
             for seq in seqs:  # a failed call leaves nothing behind: blocks and state slots come back
                 engine.abort_request(seq.request_id)
             raise
-        return [outputs[seq.request_id] for seq in seqs]
+        # a request aborted from elsewhere finished without a step: its output is built here
+        return [outputs.get(seq.request_id) or engine.output_processor.make_output(seq) for seq in seqs]
 
 
 def _per_prompt(sampling_params: SamplingParams | Seq[SamplingParams] | None, n: int) -> list[SamplingParams]:

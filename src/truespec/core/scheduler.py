@@ -51,7 +51,7 @@ class Scheduler:
             n, drafts = plan
             if not self._make_room(seq, self._num_tokens_to_hold(seq, n, drafts), out):
                 continue  # seq itself was preempted (it was the last running one)
-            out.scheduled.append(self._schedule(seq, n, drafts))
+            out.scheduled.append(self._scheduled_request(seq, n, drafts))
             budget -= n + len(drafts)
             i += 1
         skipped += self.running[i:]  # not reached: the budget ran out
@@ -89,7 +89,7 @@ class Scheduler:
             end = min(end + self.num_lookahead_tokens, seq.prompt_len + seq.max_output_len)
         return end
 
-    def _schedule(self, seq: Sequence, n: int, drafts: list[int]) -> ScheduledRequest:
+    def _scheduled_request(self, seq: Sequence, n: int, drafts: list[int]) -> ScheduledRequest:
         self.kv.allocate(seq.request_id, self._num_tokens_to_hold(seq, n, drafts))
         start = seq.num_computed_tokens
         return ScheduledRequest(
@@ -116,14 +116,14 @@ class Scheduler:
             if plan is None:
                 break
             n, drafts = plan
-            if not (self.kv.state_groups.num_free
+            if not (self.kv.can_allocate_state()
                     and self.kv.can_allocate(seq.request_id, self._num_tokens_to_hold(seq, n, drafts))):
                 break
             self.waiting.popleft()
             self.kv.allocate_state(seq.request_id)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            out.scheduled.append(self._schedule(seq, n, drafts))
+            out.scheduled.append(self._scheduled_request(seq, n, drafts))
             budget -= n + len(drafts)
 
     def preempt(self, seq: Sequence) -> None:

@@ -49,7 +49,3 @@ class SchedulerOutput:
     # requests that finished or were aborted since the previous step: holders of per-request state (sampling
     # generators, drafter streams) drop it
     finished_req_ids: list[str] = field(default_factory=list)
-
-    @property
-    def total_num_scheduled_tokens(self) -> int:
-        return sum(r.num_scheduled_tokens for r in self.scheduled)

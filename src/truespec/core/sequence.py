@@ -1,8 +1,9 @@
 """One request's state: its tokens, how many are in the cache, its drafts, its timestamps.
 
-Only the engine package changes a Sequence: the scheduler its status and, on preemption, its progress; the
-engine the tokens, progress and drafts a step produced; the output processor its text and finish. Which KV
-blocks and state slots it holds is recorded by the ``KVCacheManager`` under its ``request_id``.
+Only the engine side changes a Sequence: the scheduler its status (finish included) and, on preemption, its
+progress; the engine the progress and drafts a step produced; the output processor its new tokens (up to a stop),
+text and timestamps. Which KV blocks and state slots it holds is recorded by the ``KVCacheManager`` under its
+``request_id``.
 """
 
 import time

@@ -38,6 +38,9 @@ class KVCacheManager:
             self._block_tables.setdefault(request_id, []).extend(self.blocks.allocate(needed))
 
     # ---- recurrent-state groups -----------------------------------------------------------------
+    def can_allocate_state(self) -> bool:
+        return self.state_groups.num_free > 0
+
     def allocate_state(self, request_id: str) -> None:
         if request_id in self._groups:
             raise RuntimeError(f"{request_id} already holds state group {self._groups[request_id]}")
