@@ -4,16 +4,18 @@ model writer (``--tiny``), and the truespec vs transformers comparison; the GPU 
 import argparse
 import importlib.util
 import json
+import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from truespec import LLM, SamplingParams
 from truespec.entrypoints import bench
+from truespec.entrypoints.cli import main as cli_main
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 TINY_SIZES = ["--batch-sizes", "1", "2", "--input-len", "8", "--output-len", "4"]
@@ -45,6 +47,58 @@ def test_bench_reports_positive_throughput_per_batch_size(tmp_path: Path) -> Non
     # TTFT and TPOT from the requests' timestamps: the first token comes after arrival, and decoding 4 tokens
     # takes 3 inter-token gaps, each shorter than the whole call
     assert all(0 < r["ttft_ms"] < 1000 * r["elapsed_s"] and 0 < r["tpot_ms"] < 1000 * r["elapsed_s"] for r in rows)
+
+
+def test_bench_prompts_file_rows_with_token_ids_or_text(tiny_models: dict[str, Path], tmp_path: Path) -> None:
+    path, out = tmp_path / "p.jsonl", tmp_path / "bench.json"
+    path.write_text('{"prompt_token_ids": [5, 6, 7]}\n{"prompt": "def f(x):", "kind": "edit"}\n')
+    argv = ["bench", "--model", str(tiny_models["qwen3"]), "--device", "cpu", "--dtype", "float32", "--batch-sizes",
+            "1", "3", "--output-len", "2", "--prompts-file", str(path), "--json", str(out)]
+    num_text_tokens = len(AutoTokenizer.from_pretrained(tiny_models["qwen3"]).encode("def f(x):"))
+    assert cli_main(argv) == 0
+    rows = json.loads(out.read_text())["results"]
+    assert [r["num_prompt_tokens"] for r in rows] == [3, 3 + num_text_tokens + 3]  # the file repeats when short
+    assert cli_main([*argv, "--kind", "edit"]) == 0
+    assert [r["num_prompt_tokens"] for r in json.loads(out.read_text())["results"]] == [num_text_tokens,
+                                                                                       3 * num_text_tokens]
+
+
+@pytest.mark.parametrize("content, message", [
+    ("def f(x):\n", ":1: expected a JSON object"),  # plain text: bench needs JSON Lines
+    ('{"prompt": "a"}\n{"prompt": "b"\n', ":2: expected a JSON object"),
+    ('{"prompt": "a", "kind": "edit"}\n', "no prompts of kind 'chat' in "),
+])
+def test_bench_bad_prompts_file_fails_before_loading_the_engine(tmp_path: Path, capsys: pytest.CaptureFixture,
+                                                                content: str, message: str) -> None:
+    path = tmp_path / "p.jsonl"
+    path.write_text(content)
+    # a missing model directory: the prompts file is read, and rejected, before the engine loads
+    assert cli_main(["bench", "--model", str(tmp_path / "no_model"), "--prompts-file", str(path),
+                     "--kind", "chat"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and str(path) in err and message in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--num-iters", "0"], "argument --num-iters: must be at least 1, got 0"),
+    (["--warmup", "-1"], "argument --warmup: must be at least 0"),
+    (["--batch-sizes", "2", "0"], "argument --batch-sizes: must be at least 1"),
+    (["--output-len", "0"], "argument --output-len: must be at least 1"),
+    (["--input-len", "x"], "argument --input-len: expected an integer, got 'x'"),
+    (["--json", "/no/such/dir/bench.json"], "argument --json: directory /no/such/dir does not exist"),
+    (["--json", "/"], "argument --json: / is a directory"),
+])
+def test_bench_rejects_bad_arguments_before_the_run(argv: list[str], message: str,
+                                                    capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit) as e:
+        cli_main(["bench", *argv])
+    assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_bench_module_entry_exits_2_without_traceback() -> None:
+    proc = subprocess.run([sys.executable, "-m", "truespec.entrypoints.bench", "--model", "/no/such/dir",
+                           "--output-len", "2"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr and "/no/such/dir" in proc.stderr
 
 
 def test_random_prompts_are_seeded_and_skip_special_ids() -> None:

@@ -117,6 +117,27 @@ def test_stop_string_cuts_text(llm: LLM) -> None:
         assert full[0].outputs[0].token_ids[:len(out.token_ids)] == out.token_ids
 
 
+def test_a_stop_string_inside_the_min_tokens_text_is_ignored(llm: LLM) -> None:
+    """vLLM's rule: the text of the first min_tokens tokens is not searched for stop strings; a match that ends
+    after it stops the request there (it may begin inside it)."""
+    tokenizer, min_tokens, checked = llm.get_tokenizer(), 6, 0
+    for seed in range(60):
+        prompt = random_prompts([20], seed=seed)
+        ref = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
+                           use_tqdm=False)[0].outputs[0]
+        stop = tokenizer.decode(ref.token_ids[:3])[-2:]  # occurs in the text of the first 3 tokens
+        floor = len(tokenizer.decode(ref.token_ids[:min_tokens]))
+        end = ref.text.find(stop, floor - len(stop) + 1)
+        if len(stop) < 2 or end < 0 or ref.text.find(stop) >= floor:
+            continue  # this continuation has no early match, or none after min_tokens
+        out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, min_tokens=min_tokens,
+                                                  stop=stop), use_tqdm=False)[0].outputs[0]
+        assert (out.text, out.finish_reason, out.stop_reason) == (ref.text[:end], "stop", stop)
+        assert len(out.token_ids) > min_tokens and out.token_ids == ref.token_ids[:len(out.token_ids)]
+        checked += 1
+    assert checked >= 3
+
+
 def test_eos_finishes_with_stop(tiny_models: dict[str, Path]) -> None:
     llm = LLM(str(tiny_models["qwen3"]), dtype="float64", device="cpu", max_model_len=128)
     prompt = random_prompts([7], seed=3)
@@ -223,3 +244,133 @@ def test_a_dropped_llm_frees_its_cache_at_once(tiny_models: dict[str, Path], asy
         assert engine() is None
     finally:
         gc.enable()
+
+
+def test_a_checkpoint_without_a_tokenizer_is_named_and_skip_tokenizer_init_serves_token_ids(
+        tiny_models: dict[str, Path], tmp_path: Path) -> None:
+    import shutil
+
+    bare = tmp_path / "bare"
+    shutil.copytree(tiny_models["qwen3"], bare, ignore=shutil.ignore_patterns("tokenizer*", "special_tokens*"))
+    with pytest.raises(ValueError, match="has no tokenizer.*skip_tokenizer_init=True"):
+        LLM(str(bare), dtype="float64", device="cpu", max_model_len=128)
+    llm = LLM(str(bare), dtype="float64", device="cpu", max_model_len=128, skip_tokenizer_init=True)
+    with_tokenizer = LLM(str(tiny_models["qwen3"]), dtype="float64", device="cpu", max_model_len=128)
+    prompts = random_prompts([5, 9], seed=1)
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in with_tokenizer.generate(
+        prompts, GREEDY, use_tqdm=False)]
+    assert all(o.outputs[0].text == "" for o in outs) and llm.get_tokenizer() is None
+    with pytest.raises(ValueError, match="text prompt needs a tokenizer"):
+        llm.generate("def f():", GREEDY, use_tqdm=False)
+    with pytest.raises(ValueError, match="SamplingParams.stop needs a tokenizer"):
+        llm.generate(prompts, SamplingParams(max_tokens=4, stop="x"), use_tqdm=False)
+    with pytest.raises(ValueError, match="skip_tokenizer_init"):
+        LLM(str(bare), device="cpu", skip_tokenizer_init="yes")
+    assert_all_free(llm)
+
+
+def test_a_prompt_with_a_lone_surrogate_fails_alone(llm: LLM) -> None:
+    with pytest.raises(ValueError, match="not valid Unicode"):
+        llm.generate(["def f():", "x\ud800y"], GREEDY, use_tqdm=False)
+    assert_all_free(llm)
+    assert len(llm.generate("def f():", GREEDY, use_tqdm=False)[0].outputs[0].token_ids) == 12
+
+
+def test_concurrent_generate_calls_each_get_their_own_tokens(llm: LLM) -> None:
+    """Two threads on one LLM, different batches, several rounds: each output equals its batch run alone."""
+    import threading
+
+    batches = [random_prompts([3, 17, 40], seed=31), random_prompts([25, 6], seed=32)]
+    alone = [[o.outputs[0].token_ids for o in llm.generate(b, GREEDY, use_tqdm=False)] for b in batches]
+    results: list[list] = [[], []]
+    errors: list[BaseException] = []
+
+    def hammer(i: int) -> None:
+        try:
+            for _ in range(4):
+                results[i].append([o.outputs[0].token_ids for o in llm.generate(batches[i], GREEDY, use_tqdm=False)])
+        except BaseException as e:  # surfaced below
+            errors.append(e)
+
+    threads = [threading.Thread(target=hammer, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == [] and results == [[alone[0]] * 4, [alone[1]] * 4]
+    assert_all_free(llm)
+
+
+def test_a_second_thread_inside_engine_step_gets_a_clear_error(llm: LLM) -> None:
+    engine = llm.llm_engine
+    assert engine._stepping.acquire(blocking=False)  # as if another thread were inside step()
+    try:
+        with pytest.raises(RuntimeError, match="another thread"):
+            engine.step()
+    finally:
+        engine._stepping.release()
+
+
+def test_an_interrupt_while_adding_requests_leaves_nothing_queued(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    engine, calls = llm.llm_engine, []
+    real_add = engine.add_sequence
+
+    def add_then_interrupt(seq: object) -> None:
+        calls.append(seq)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        real_add(seq)
+
+    monkeypatch.setattr(engine, "add_sequence", add_then_interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(random_prompts([4, 5, 6]), GREEDY, use_tqdm=False)
+    monkeypatch.undo()
+    assert not engine.has_unfinished_requests()
+    assert_all_free(llm)
+
+
+@pytest.mark.parametrize("prompts, params, message", [
+    (None, GREEDY, "prompts must be"), (b"def f():", GREEDY, "prompts must be"), (5, GREEDY, "prompts must be"),
+    ("def f():", {"temperature": 0}, "sampling_params must be"), ("def f():", ["x"], "must hold SamplingParams"),
+])
+def test_generate_names_a_wrong_argument(llm: LLM, prompts: object, params: object, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        llm.generate(prompts, params, use_tqdm=False)
+    assert_all_free(llm)
+
+
+def test_a_failure_inside_the_launch_after_the_forward_leaves_outputs_exact(llm: LLM,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """The logits fail once after the forward wrote KV and state slots: the step's requests restart from their
+    tokens, so their outputs equal the reference."""
+    prompts = random_prompts([30, 70], seed=22)
+    reference = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    engine, model = llm.llm_engine, llm.llm_engine.runner.model
+    ids = [engine.add_request(p, GREEDY) for p in prompts]
+    seqs = [engine.seqs[i] for i in ids]
+    for _ in range(6):
+        engine.step()
+    real_logits = model.compute_logits
+
+    def fail_once(*args: object) -> object:
+        monkeypatch.setattr(model, "compute_logits", real_logits)
+        raise RuntimeError("injected failure inside launch")
+
+    monkeypatch.setattr(model, "compute_logits", fail_once)
+    with pytest.raises(RuntimeError, match="inside launch"):
+        engine.step()
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert [s.output_token_ids for s in seqs] == reference
+    assert_all_free(llm)
+
+
+def test_random_streams_are_dropped_even_after_an_idle_step(llm: LLM) -> None:
+    """A finished request's generator goes when the runner hears of it, also if a step with nothing to run
+    came between."""
+    engine = llm.llm_engine
+    llm.generate(random_prompts([5]), SamplingParams(temperature=1.0, seed=3, max_tokens=4), use_tqdm=False)
+    assert engine.step() == []  # idle
+    llm.generate(random_prompts([6, 7]), GREEDY, use_tqdm=False)
+    assert engine.runner._generators == {}

@@ -22,18 +22,22 @@ def stream(llm: LLM, prompts: list[dict], params: SamplingParams) -> dict[str, l
     return seen
 
 
-@pytest.mark.parametrize("stop", [None, "e"])
-def test_deltas_add_up_to_the_final_output(tiny_models: dict[str, Path], stop: str | None) -> None:
+@pytest.mark.parametrize("stop, min_tokens", [(None, 0), ("e", 0), ("e", 12), (" ", 12), ("a", 12)])
+def test_deltas_add_up_to_the_final_output(tiny_models: dict[str, Path], stop: str | None, min_tokens: int) -> None:
+    """With min_tokens, stop strings are not searched in the first min_tokens tokens' text, so what was streamed
+    before min_tokens is never cut back."""
     llm = LLM(str(tiny_models["hybrid"]), dtype="float64", device="cpu", max_model_len=256)
     prompts = random_prompts([3, 20, 7], seed=2)
-    final = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, stop=stop), use_tqdm=False)
-    params = SamplingParams(temperature=0, max_tokens=24, stop=stop, output_kind=RequestOutputKind.DELTA)
+    final = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, stop=stop, min_tokens=min_tokens),
+                         use_tqdm=False)
+    params = SamplingParams(temperature=0, max_tokens=24, stop=stop, min_tokens=min_tokens,
+                            output_kind=RequestOutputKind.DELTA)
     for outs, ref in zip(stream(llm, prompts, params).values(), final, strict=True):
         assert [o.finished for o in outs] == [False] * (len(outs) - 1) + [True]
         assert "".join(o.outputs[0].text for o in outs) == ref.outputs[0].text
         assert sum((o.outputs[0].token_ids for o in outs), []) == ref.outputs[0].token_ids
         assert outs[-1].outputs[0].finish_reason == ref.outputs[0].finish_reason
-        if stop is not None:  # a stop string is never handed out, even before the step that completes it
+        if stop is not None and min_tokens == 0:  # never handed out, even before the step that completes it
             assert all(stop not in o.outputs[0].text for o in outs)
 
 

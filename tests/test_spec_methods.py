@@ -110,6 +110,33 @@ def test_bad_speculative_configs_name_the_problem(tiny_models: dict[str, Path], 
             speculative_config={"method": "eagle", "model": str(tmp_path / "none"), "num_speculative_tokens": 2})
 
 
+def test_a_bad_drafter_is_refused_before_anything_is_allocated(tiny_models: dict[str, Path], tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """Missing directory, vocabulary mismatch, no mtp.* weights, not an EAGLE head: each is refused from the files'
+    configs and headers, before the target's weights load (and so before its KV pool is allocated)."""
+    import json
+    import shutil
+
+    import truespec.engine.llm_engine as llm_engine
+
+    def no_loading(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the target was loaded before the drafter was checked")
+
+    monkeypatch.setattr(llm_engine, "load_model", no_loading)
+    other_vocab = tmp_path / "other_vocab"
+    shutil.copytree(tiny_models["qwen3"], other_vocab)
+    config = json.loads((other_vocab / "config.json").read_text())
+    (other_vocab / "config.json").write_text(json.dumps(config | {"vocab_size": config["vocab_size"] + 1}))
+    cases = [({"method": "draft_model", "model": str(tmp_path / "none")}, FileNotFoundError, "model directory"),
+             ({"method": "draft_model", "model": str(other_vocab)}, ValueError, "vocab_size"),
+             ({"method": "mtp"}, ValueError, "mtp.* weights"),
+             ({"method": "eagle", "model": str(tiny_models["qwen3"])}, ValueError, "not an EAGLE head")]
+    for config, error, message in cases:
+        with pytest.raises(error, match=message):
+            LLM(str(tiny_models["qwen3"]), device="cpu", max_model_len=128,
+                speculative_config=config | {"num_speculative_tokens": 2})
+
+
 class DraftRecorder:
     """Wraps a proposer and records, per request, the first draft proposed for each next position."""
 
@@ -120,7 +147,7 @@ class DraftRecorder:
         drafts = self.inner.propose(requests, output, finished_req_ids)
         for r in requests:
             if r.request_id in drafts and drafts[r.request_id].token_ids:
-                self.first_drafts.setdefault(r.request_id, {})[len(r.token_ids)] = drafts[r.request_id].token_ids[0]
+                self.first_drafts.setdefault(r.request_id, {})[r.num_tokens] = drafts[r.request_id].token_ids[0]
         return drafts
 
 

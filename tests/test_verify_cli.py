@@ -164,3 +164,17 @@ def test_cli_bad_speculative_config_or_prompts_file_exits_2(tiny_models: dict[st
     assert "bad.jsonl:2" in capsys.readouterr().err
     assert cli_main(base) == 2
     assert "no prompts" in capsys.readouterr().err
+
+
+def test_a_bad_candidate_fails_before_the_baseline_runs(tiny_models: dict[str, Path], tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    import truespec.entrypoints.verify as verify_module
+
+    def no_run(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the baseline ran before the candidate was checked")
+
+    monkeypatch.setattr(verify_module, "_run", no_run)
+    bad = {"speculative_config": {"method": "draft_model", "model": str(tmp_path / "none"),
+                                  "num_speculative_tokens": 2}, "device": "cpu"}
+    with pytest.raises(FileNotFoundError, match="speculative_config"):
+        verify_module.verify(str(tiny_models["qwen3"]), ["x"], bad)

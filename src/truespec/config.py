@@ -1,5 +1,7 @@
 """Engine configuration: frozen dataclasses, validated at construction with errors naming the field."""
 
+import math
+import os
 from dataclasses import dataclass
 
 from truespec.dtypes import DTYPES
@@ -11,6 +13,7 @@ DEVICES = ("auto", "cpu", "cuda")
 class EngineConfig:
     model: str
     tokenizer: str | None = None
+    skip_tokenizer_init: bool = False  # vLLM: no tokenizer; prompts are token ids, outputs carry no text
     dtype: str = "auto"
     device: str = "auto"
     max_model_len: int | None = None  # None: the model's max_position_embeddings
@@ -32,10 +35,15 @@ class EngineConfig:
     def __post_init__(self) -> None:
         object.__setattr__(self, "speculative_config", SpeculativeConfig.from_dict(self.speculative_config))
         object.__setattr__(self, "compilation_config", CompilationConfig.from_dict(self.compilation_config))
+        fspath(self, "model", "tokenizer")
+        check(isinstance(self.skip_tokenizer_init, bool), "skip_tokenizer_init",
+              f"must be a bool, got {self.skip_tokenizer_init!r}")
         check(isinstance(self.enforce_eager, bool), "enforce_eager", f"must be a bool, got {self.enforce_eager!r}")
         check(self.async_scheduling is None or isinstance(self.async_scheduling, bool), "async_scheduling",
               f"must be a bool or None, got {self.async_scheduling!r}")
-        check(isinstance(self.model, str) and self.model != "", "model", "must be a directory path")
+        check(is_path(self.model), "model", f"must be a directory path, got {self.model!r}")
+        check(self.tokenizer is None or is_path(self.tokenizer), "tokenizer",
+              f"must be None or a directory path, got {self.tokenizer!r}")
         check(self.dtype in DTYPES, "dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
         check(self.device in DEVICES or str(self.device).startswith("cuda:"), "device",
               f"must be one of {DEVICES} or 'cuda:N', got {self.device!r}")
@@ -58,6 +66,22 @@ def is_number(x: object) -> bool:
     return isinstance(x, int | float) and not isinstance(x, bool)
 
 
+def is_finite(x: object) -> bool:
+    return is_number(x) and math.isfinite(x)
+
+
+def is_path(x: object) -> bool:
+    return isinstance(x, str) and x != ""  # "" would name the working directory
+
+
+def fspath(cfg: object, *names: str) -> None:
+    """A ``pathlib.Path`` field as the str every loader takes."""
+    for name in names:
+        value = getattr(cfg, name)
+        if isinstance(value, os.PathLike):
+            object.__setattr__(cfg, name, os.fspath(value))
+
+
 def is_pos_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool) and x > 0
 
@@ -74,6 +98,10 @@ def check(ok: bool, name: str, message: str) -> None:
 
 
 SPEC_METHODS = ("ngram", "draft_model", "mtp", "eagle")
+# The optional keys each method reads; one that its method would ignore is an error, never silently dropped
+# (mtp reads its layer from the target's checkpoint, ngram has no network to run eagerly).
+METHOD_KEYS = {"ngram": ("prompt_lookup_min", "prompt_lookup_max"), "draft_model": ("model", "enforce_eager"),
+               "eagle": ("model", "enforce_eager"), "mtp": ("enforce_eager",)}
 MAX_SPECULATIVE_TOKENS = 64
 
 
@@ -91,14 +119,20 @@ class SpeculativeConfig:
     def __post_init__(self) -> None:
         check(self.method in SPEC_METHODS, "speculative_config.method",
               f"must be one of {SPEC_METHODS}, got {self.method!r}")
+        fspath(self, "model")
+        for key in ("model", "prompt_lookup_min", "prompt_lookup_max", "enforce_eager"):
+            value, takes = getattr(self, key), ", ".join(METHOD_KEYS[self.method])
+            check(value is None or key in METHOD_KEYS[self.method], f"speculative_config.{key}",
+                  f"is not used by method {self.method!r} (it takes num_speculative_tokens, {takes}); leave it "
+                  f"out, got {value!r}")
         k = self.num_speculative_tokens
         check(is_pos_int(k) and k <= MAX_SPECULATIVE_TOKENS, "speculative_config.num_speculative_tokens",
               f"must be an int in [1, {MAX_SPECULATIVE_TOKENS}], got {k!r}")
         check(self.enforce_eager is None or isinstance(self.enforce_eager, bool), "speculative_config.enforce_eager",
               f"must be a bool, got {self.enforce_eager!r}")
         needs_model = self.method in ("draft_model", "eagle")
-        check(not needs_model or isinstance(self.model, str), "speculative_config.model",
-              f"is required for method {self.method!r} (the drafter's directory)")
+        check(not needs_model or is_path(self.model), "speculative_config.model",
+              f"is required for method {self.method!r} (the drafter's directory), got {self.model!r}")
         if self.method == "ngram":  # vLLM: both default to 5; one given sets the other
             lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
             object.__setattr__(self, "prompt_lookup_min", lo if lo is not None else (hi or 5))

@@ -1,5 +1,6 @@
 """The offline API, shaped like vLLM's ``LLM``."""
 
+import threading
 from collections.abc import Sequence as Seq
 from dataclasses import replace
 
@@ -13,7 +14,13 @@ from truespec.sampling_params import RequestOutputKind, SamplingParams
 
 class LLM:
     def __init__(self, model: str | None = None, **kwargs: object) -> None:
-        self.llm_engine = LLMEngine(EngineConfig(model=model or _default_model_dir(), **kwargs))
+        self.llm_engine = LLMEngine(_engine_config(model, kwargs))
+        self._lock = threading.Lock()  # one generate() at a time: the engine steps one batch
+
+    @staticmethod
+    def check_args(model: str | None = None, **kwargs: object) -> None:
+        """Raise the configuration error ``LLM(model, **kwargs)`` would, without loading or allocating anything."""
+        LLMEngine.check_config(_engine_config(model, kwargs))
 
     def get_tokenizer(self):  # noqa: ANN201 - a transformers tokenizer
         return self.llm_engine.tokenizer
@@ -29,27 +36,45 @@ class LLM:
     def generate(self, prompts: PromptType | Seq[PromptType],
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
-        prompts = [prompts] if isinstance(prompts, str | dict) else list(prompts)
-        params = _per_prompt(sampling_params, len(prompts))
+        """Generate for every prompt; outputs in input order. Calls from several threads run one after another
+        (each gets the tokens it would get alone)."""
+        prompts = _prompt_list(prompts)
+        params = [replace(sp, output_kind=RequestOutputKind.FINAL_ONLY)  # one output per request, at its end
+                  for sp in _per_prompt(sampling_params, len(prompts))]
+        with self._lock:
+            return self._generate(prompts, params, use_tqdm)
+
+    def _generate(self, prompts: list[PromptType], params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine
-        final = [replace(sp, output_kind=RequestOutputKind.FINAL_ONLY) if isinstance(sp, SamplingParams) else sp
-                 for sp in params]  # one output per request, when it finishes
-        seqs = [engine.make_sequence(p, sp) for p, sp in zip(prompts, final, strict=True)]  # validate all first
-        for seq in seqs:
-            engine.add_sequence(seq)
+        seqs = [engine.make_sequence(p, sp) for p, sp in zip(prompts, params, strict=True)]  # validate all first
         outputs: dict[str, RequestOutput] = {}
         try:
+            for seq in seqs:
+                engine.add_sequence(seq)
             with tqdm(total=len(seqs), desc="generate", disable=not use_tqdm or len(seqs) < 2) as bar:
                 while any(not seq.is_finished for seq in seqs):
                     done = engine.step()
                     outputs.update((out.request_id, out) for out in done)
                     bar.update(len(done))
         except BaseException:
-            for seq in seqs:  # a failed call leaves nothing behind: blocks and state slots come back
+            for seq in seqs:  # a failed or interrupted call leaves nothing behind: blocks and state slots come back
                 engine.abort_request(seq.request_id)
             raise
         # a request aborted from elsewhere finished without a step: its output is built here
         return [outputs.get(seq.request_id) or engine.output_processor.make_output(seq) for seq in seqs]
+
+
+def _engine_config(model: str | None, kwargs: dict[str, object]) -> EngineConfig:
+    return EngineConfig(model=model if model is not None else _default_model_dir(), **kwargs)
+
+
+def _prompt_list(prompts: object) -> list[PromptType]:
+    if isinstance(prompts, str | dict):
+        return [prompts]
+    if not isinstance(prompts, Seq) or isinstance(prompts, bytes | bytearray):
+        raise ValueError("prompts must be a string, a {'prompt': ...} / {'prompt_token_ids': [...]} dict, or a list "
+                         f"of them, got {type(prompts).__name__}")
+    return list(prompts)
 
 
 def _per_prompt(sampling_params: SamplingParams | Seq[SamplingParams] | None, n: int) -> list[SamplingParams]:
@@ -57,7 +82,13 @@ def _per_prompt(sampling_params: SamplingParams | Seq[SamplingParams] | None, n:
         return [SamplingParams()] * n
     if isinstance(sampling_params, SamplingParams):
         return [sampling_params] * n
+    if not isinstance(sampling_params, Seq) or isinstance(sampling_params, str | bytes):
+        raise ValueError("sampling_params must be a SamplingParams or a list of them (one per prompt), got "
+                         f"{type(sampling_params).__name__}")
     params = list(sampling_params)
+    bad = [type(p).__name__ for p in params if not isinstance(p, SamplingParams)]
+    if bad:
+        raise ValueError(f"sampling_params must hold SamplingParams, got {bad[0]}")
     if len(params) != n:
         raise ValueError(f"got {len(params)} SamplingParams for {n} prompts: give one, or one per prompt")
     return params

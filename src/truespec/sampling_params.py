@@ -1,9 +1,16 @@
 """SamplingParams: how one request picks its tokens and when it stops (vLLM's fields and meanings)."""
 
-from dataclasses import dataclass
+import logging
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, fields
 from enum import Enum
 
 MAX_LOGPROBS = 20  # as vLLM's default max_logprobs
+MIN_TEMPERATURE = 1e-2  # vLLM's _MAX_TEMP: a smaller temperature > 0 is raised to it (logits / T overflow)
+FLOAT32_MAX = 3.4028234663852886e38  # a temperature above it is inf in the float32 logits: NaN probabilities
+BOOL_FIELDS = ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens")
+
+logger = logging.getLogger("truespec")
 
 
 class RequestOutputKind(Enum):
@@ -33,11 +40,18 @@ class SamplingParams:
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
-        self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
+        for f in fields(self):  # numpy scalars (np.float32(0.5), np.int64(5)) as the Python numbers they hold
+            setattr(self, f.name, _plain(getattr(self, f.name)))
+        self.stop = [self.stop] if isinstance(self.stop, str) else _as_list(self.stop, "stop", "strings")
+        self.stop_token_ids = _as_list(self.stop_token_ids, "stop_token_ids", "ints")
         _check(self.n == 1, "n", "only n=1 is supported", self.n)
-        _check(_is_number(self.temperature) and self.temperature >= 0, "temperature", "must be >= 0",
-               self.temperature)
+        _check(_is_number(self.temperature) and 0 <= self.temperature <= FLOAT32_MAX, "temperature",
+               "must be a finite number >= 0 (at most float32's largest, 3.4e38)", self.temperature)
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            logger.warning("SamplingParams.temperature %s is below %s, where logits / temperature overflow: "
+                           "raised to %s (as vLLM; use 0 for greedy)", self.temperature, MIN_TEMPERATURE,
+                           MIN_TEMPERATURE)
+            self.temperature = MIN_TEMPERATURE
         _check(_is_number(self.top_p) and 0 < self.top_p <= 1, "top_p", "must be in (0, 1]", self.top_p)
         _check(_is_int(self.top_k) and (self.top_k >= 0 or self.top_k == -1), "top_k",
                "must be -1, 0 (disabled) or >= 1", self.top_k)
@@ -58,6 +72,8 @@ class SamplingParams:
                "must be non-negative ints", self.stop_token_ids)
         _check(isinstance(self.output_kind, RequestOutputKind), "output_kind", "must be a RequestOutputKind",
                self.output_kind)
+        for name in BOOL_FIELDS:
+            _check(isinstance(getattr(self, name), bool), name, "must be a bool", getattr(self, name))
 
     @property
     def is_greedy(self) -> bool:
@@ -70,6 +86,19 @@ def _is_int(x: object) -> bool:
 
 def _is_number(x: object) -> bool:
     return isinstance(x, int | float) and not isinstance(x, bool) and x == x  # x == x rejects NaN
+
+
+def _plain(x: object) -> object:
+    """A numpy scalar as the Python value it holds (vLLM accepts them); anything else unchanged."""
+    return x.item() if type(x).__module__ == "numpy" and getattr(x, "shape", None) == () else x
+
+
+def _as_list(value: object, name: str, of: str) -> list:
+    if value is None:
+        return []
+    _check(isinstance(value, Iterable) and not isinstance(value, str | bytes | Mapping), name,
+           f"must be a list of {of}", value)
+    return [_plain(x) for x in value]
 
 
 def _check(ok: bool, name: str, rule: str, value: object) -> None:

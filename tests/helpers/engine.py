@@ -39,8 +39,7 @@ class OracleProposer:
 
     def continuation(self, r: DraftRequest) -> list[int]:
         """The reference tokens after ``r``'s known ones."""
-        prompt, output = r.token_ids[:r.num_prompt_tokens], r.token_ids[r.num_prompt_tokens:]
-        return self.reference[tuple(prompt)][len(output):]
+        return self.reference[tuple(r.prompt_token_ids)][len(r.output_token_ids):]
 
     def propose(self, requests: list[DraftRequest], output: ModelRunnerOutput,
                 finished_req_ids: list[str]) -> dict[str, Drafts]:

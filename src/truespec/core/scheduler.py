@@ -11,6 +11,7 @@ The scheduler allocates every block a step writes: the query positions, and on a
 ``num_lookahead_tokens`` more for the drafts a model drafter writes after the step (vLLM's lookahead slots).
 """
 
+import time
 from collections import deque
 
 from truespec.core.scheduler_output import ScheduledRequest, SchedulerOutput
@@ -37,8 +38,7 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput(finished_req_ids=self._finished_ids)
-        self._finished_ids = []
+        out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         i, skipped = 0, []
         while i < len(self.running) and budget > 0:
@@ -60,7 +60,13 @@ class Scheduler:
             self.running.sort(key=lambda s: id(s) not in waited)
         if not out.preempted_req_ids:
             self._admit(budget, out)
+        if out.scheduled:  # reported with a step that runs (an empty one is never launched)
+            out.finished_req_ids, self._finished_ids = self._finished_ids, []
         return out
+
+    def report_finished(self, request_ids: list[str]) -> None:
+        """Report these finished requests again with the next step (the step that carried them failed)."""
+        self._finished_ids += request_ids
 
     def _plan(self, seq: Sequence, budget: int) -> tuple[int, list[int]] | None:
         """(tokens of ``seq`` to compute, drafts to verify after them) within ``budget``; None: wait.
@@ -146,4 +152,5 @@ class Scheduler:
         self.kv.free(seq.request_id)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
+        seq.finished_time = time.monotonic()
         self._finished_ids.append(seq.request_id)

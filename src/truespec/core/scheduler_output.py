@@ -1,6 +1,6 @@
 """The contract between the scheduler and the model runner: one ``SchedulerOutput`` per step.
 
-It is plain data: everything the runner needs to build the step's inputs and sample, copied out of the
+It is plain data: everything the runner needs to build the step's inputs and sample, taken out of the
 requests, so the runner never reads or changes a ``Sequence``. Token counts are named as vLLM names them:
 ``num_scheduled_tokens`` counts a request's query tokens this step, drafts included.
 """
@@ -20,7 +20,9 @@ class ScheduledRequest:
     token_ids: list[int]  # the query tokens' ids (an unknown async token is -1, filled in on the device)
     draft_token_ids: list[int]  # the drafts verified after the sequence tokens (only on a request's last chunk)
     draft_probs: Any  # [len(draft_token_ids), vocab] tensor when the drafter sampled, else None
-    block_ids: list[int]  # the request's KV block table (covers every query position)
+    # the request's KV block table (covers every query position): the manager's live list, read at launch and
+    # by the proposer after the step, before the next schedule() may grow it
+    block_ids: list[int]
     first_state_slot: int  # where its group of 1 + k recurrent-state slots starts
     state_index: int  # slot of the group with the state after the last computed token
     num_output_tokens: int  # output tokens before this step (min_tokens counts from here)

@@ -1,8 +1,8 @@
 """One request's state: its tokens, how many are in the cache, its drafts, its timestamps.
 
 Only the engine side changes a Sequence: the scheduler its status (finish included) and, on preemption, its
-progress; the engine the progress and drafts a step produced; the output processor its new tokens (up to a stop),
-text and timestamps. Which KV blocks and state slots it holds is recorded by the ``KVCacheManager`` under its
+progress; the engine the progress and drafts a step produced (the async scheduler the progress and a placeholder
+token of a step it queues ahead); the output processor its new tokens (up to a stop), text and timestamps. Which KV blocks and state slots it holds is recorded by the ``KVCacheManager`` under its
 ``request_id``.
 """
 
@@ -56,12 +56,7 @@ class Sequence:
 
     def token_slice(self, start: int, end: int) -> list[int]:
         """``token_ids[start:end]`` without building the whole list first (a decode step reads one token)."""
-        prompt_len = len(self.prompt_token_ids)
-        if start >= prompt_len:
-            return self.output_token_ids[start - prompt_len:end - prompt_len]
-        if end <= prompt_len:
-            return self.prompt_token_ids[start:end]
-        return self.prompt_token_ids[start:] + self.output_token_ids[:end - prompt_len]
+        return token_slice(self.prompt_token_ids, self.output_token_ids, start, end)
 
     @property
     def num_tokens(self) -> int:
@@ -82,3 +77,12 @@ class Sequence:
     def __repr__(self) -> str:
         return (f"Sequence({self.request_id!r}, {self.status.name}, tokens={self.num_tokens}, "
                 f"computed={self.num_computed_tokens})")
+
+
+def token_slice(prompt: list[int], output: list[int], start: int, end: int) -> list[int]:
+    """``(prompt + output)[start:end]`` without concatenating the two."""
+    if start >= len(prompt):
+        return output[start - len(prompt):end - len(prompt)]
+    if end <= len(prompt):
+        return prompt[start:end]
+    return prompt[start:] + output[:end - len(prompt)]

@@ -32,7 +32,7 @@ class AsyncScheduler:
         seqs = self._next_decodes(launched)
         if seqs is None:
             return False
-        for r, seq in zip(launched.scheduled, seqs, strict=True):
+        for r, seq in zip(launched.sched.scheduled, seqs, strict=True):
             seq.advance(r.num_new_tokens, 0)
             seq.output_token_ids.append(PLACEHOLDER)
         out = self.scheduler.schedule()
@@ -48,11 +48,11 @@ class AsyncScheduler:
         sched = self.scheduler
         if not self.enabled or (sched.waiting and len(sched.running) < sched.max_num_seqs):
             return None  # the next step may admit a waiting request: its prompt goes in a step planned on the host
-        seqs = [self.seqs.get(r.request_id) for r in launched.scheduled]
+        seqs = [self.seqs.get(r.request_id) for r in launched.sched.scheduled]
         if seqs != sched.running or len(seqs) > sched.max_num_batched_tokens:
             return None
         blocks = 0
-        for r, seq in zip(launched.scheduled, seqs, strict=True):
+        for r, seq in zip(launched.sched.scheduled, seqs, strict=True):
             p = r.params
             if (not r.is_last_chunk or r.draft_token_ids or not p.is_greedy or p.logprobs is not None
                     or len(seq.output_token_ids) + 2 > seq.max_output_len):
@@ -62,7 +62,7 @@ class AsyncScheduler:
 
     def drop_if_finished(self) -> None:
         """Forget a queued step whose requests all stopped or were aborted: nothing will read its tokens."""
-        if self.inflight is not None and all(self._is_done(r.request_id) for r in self.inflight.scheduled):
+        if self.inflight is not None and all(self._is_done(r.request_id) for r in self.inflight.sched.scheduled):
             self.inflight = None
 
     def _is_done(self, request_id: str) -> bool:

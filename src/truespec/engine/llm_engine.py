@@ -1,6 +1,7 @@
 """The engine: validate and add requests, then step: schedule -> run -> process outputs -> propose drafts."""
 
 import itertools
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
@@ -8,7 +9,7 @@ import torch
 
 from truespec.config import EngineConfig
 from truespec.core.scheduler import Scheduler
-from truespec.core.scheduler_output import ScheduledRequest
+from truespec.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from truespec.core.sequence import PLACEHOLDER, Sequence
 from truespec.engine.async_scheduler import AsyncScheduler
 from truespec.engine.output_processor import OutputProcessor
@@ -21,10 +22,10 @@ from truespec.outputs import RequestOutput
 from truespec.sampling_params import SamplingParams
 from truespec.spec_decode.interface import DraftRequest
 from truespec.spec_decode.metrics import SpecDecodeMetrics
-from truespec.spec_decode.proposer import make_proposer, num_lookahead_tokens
+from truespec.spec_decode.proposer import check_speculative_config, load_drafter, make_proposer, num_lookahead_tokens
 from truespec.tokenizer import load_tokenizer
 from truespec.worker.graph_runner import GraphSettings
-from truespec.worker.model_runner import LaunchedStep, ModelRunner
+from truespec.worker.model_runner import ModelRunner
 from truespec.worker.runner_output import ModelRunnerOutput
 
 PromptType = str | dict
@@ -33,13 +34,15 @@ PromptType = str | dict
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.cache_config = cache = CacheConfig.from_engine_config(config)
-        self.device = _resolve_device(config.device)
+        spec = config.speculative_config
+        self.cache_config, self.device = self.check_config(config)  # before anything is allocated
+        cache = self.cache_config
         self.loaded = loaded = load_model(config.model, config.dtype, self.device)
         self.hf_config, self.dtype = loaded.hf_config, loaded.dtype
-        self.tokenizer = load_tokenizer(config.tokenizer or config.model)
+        self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(config.tokenizer or config.model)
         self.max_model_len = resolve_max_model_len(config.max_model_len, self.hf_config)
         self.vocab_size = self.hf_config.vocab_size
+        drafter = load_drafter(spec, loaded, self.device)  # weights only: the KV pool is sized after it
         self.stop_checker = StopChecker(self.tokenizer, self.hf_config, config.model)
         self.output_processor = OutputProcessor(self.tokenizer, self.stop_checker)
         self.runner = ModelRunner(loaded.model, self.device, self.dtype, config.seed, self.stop_checker.eos_token_ids)
@@ -54,10 +57,9 @@ class LLMEngine:
             capture_sizes=config.compilation_config.capture_sizes(config.max_num_batched_tokens + n * k),
             max_blocks_per_req=-(-(self.max_model_len + k + 1) // cache.block_size))
         self.runner.init_graphs(graphs)
-        self.scheduler = Scheduler(self.kv, n, config.max_num_batched_tokens,
-                                   num_lookahead_tokens(config.speculative_config))
-        self.proposer = make_proposer(config.speculative_config, loaded, num_blocks, self.kv.num_state_slots,
-                                      self.device, config.seed, graphs)
+        self.scheduler = Scheduler(self.kv, n, config.max_num_batched_tokens, num_lookahead_tokens(spec))
+        self.proposer = make_proposer(spec, drafter, num_blocks, self.kv.num_state_slots, self.device, config.seed,
+                                      graphs, self.hf_config.hidden_size)
         self.spec_metrics = SpecDecodeMetrics(k)
         self.seqs: dict[str, Sequence] = {}
         self._ids = itertools.count()
@@ -67,6 +69,15 @@ class LLMEngine:
         # called after a request's tokens of a step are applied, with its number of accepted drafts (tests and
         # `truespec verify --debug-fault` observe or perturb the engine through these)
         self.update_hooks: list[Callable[[Sequence, int], None]] = []
+        self._stepping = threading.Lock()  # held by the thread inside step()
+
+    @staticmethod
+    def check_config(config: EngineConfig) -> tuple[CacheConfig, torch.device]:
+        """Everything that can be checked before anything loads: the cache settings, the device, and the
+        drafter (from its files' configs and headers). Returns the cache config and the device."""
+        cache, device = CacheConfig.from_engine_config(config), _resolve_device(config.device)
+        check_speculative_config(config.speculative_config, config.model)
+        return cache, device
 
     # ---- requests ------------------------------------------------------------------------------
     def make_sequence(self, prompt: PromptType, params: SamplingParams) -> Sequence:
@@ -82,6 +93,9 @@ class LLMEngine:
         bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"prompt_token_ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("SamplingParams.stop needs a tokenizer, and this engine has skip_tokenizer_init=True: "
+                             "use stop_token_ids")
         bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
         if bad:
             raise ValueError(f"SamplingParams.stop_token_ids {bad[:5]} are outside the vocabulary "
@@ -114,20 +128,29 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule -> run -> process outputs -> propose drafts. Returns the outputs the step produced (as each
         request's ``output_kind`` asks). A step queued by async scheduling is collected here."""
-        launched = self.overlap.take() or self._launch()
-        if launched is None:
-            return []
-        with self._restart_on_failure(launched):
-            provisional = self.overlap.launch_next(launched)
-            output = self.runner.collect(launched)
-            updated = self._update(launched.scheduled, output, provisional)
-            self._propose(launched, output)
-        self.overlap.drop_if_finished()
+        with self._one_thread():
+            launched = self.overlap.take()
+            sched = self.scheduler.schedule() if launched is None else launched.sched
+            if not sched.scheduled:
+                return []
+            with self._restart_on_failure(sched):
+                launched = launched or self.runner.launch(sched)
+                provisional = self.overlap.launch_next(launched)
+                output = self.runner.collect(launched)
+                updated = self._update(sched.scheduled, output, provisional)
+                self._propose(sched, output)
+            self.overlap.drop_if_finished()
         return [out for seq in updated if (out := self.output_processor.make_output(seq)) is not None]
 
-    def _launch(self) -> LaunchedStep | None:
-        sched = self.scheduler.schedule()
-        return self.runner.launch(sched) if sched.scheduled else None
+    @contextmanager
+    def _one_thread(self) -> Iterator[None]:
+        if not self._stepping.acquire(blocking=False):
+            raise RuntimeError("LLMEngine.step is running in another thread: one engine steps one batch at a time "
+                               "(LLM.generate serialises its callers; do the same around the engine)")
+        try:
+            yield
+        finally:
+            self._stepping.release()
 
     def _update(self, scheduled: list[ScheduledRequest], output: ModelRunnerOutput,
                 provisional: bool) -> list[Sequence]:
@@ -156,35 +179,38 @@ class LLMEngine:
             updated.append(seq)
         return updated
 
-    def _propose(self, launched: LaunchedStep, output: ModelRunnerOutput) -> None:
+    def _propose(self, sched: SchedulerOutput, output: ModelRunnerOutput) -> None:
         """Let the proposer catch up on the step and draft for the requests that got a new token."""
         if self.proposer is None:
             return
         requests = []
-        for i, r in enumerate(launched.scheduled):
+        for i, r in enumerate(sched.scheduled):
             seq = self.seqs.get(r.request_id)
             if seq is None or seq.is_finished:
                 continue
             is_drafting = bool(output.sampled_token_ids[i])
             requests.append(DraftRequest(
-                r.request_id, r.params, seq.token_ids, seq.prompt_len, r.num_computed_tokens, seq.num_computed_tokens,
-                i, r.block_ids, r.first_state_slot, is_drafting, self.scheduler.max_drafts(seq) if is_drafting else 0))
-        drafts = self.proposer.propose(requests, output, launched.finished_req_ids)
+                r.request_id, r.params, seq.prompt_token_ids, seq.output_token_ids, r.num_computed_tokens,
+                seq.num_computed_tokens, i, r.block_ids, r.first_state_slot, is_drafting,
+                self.scheduler.max_drafts(seq) if is_drafting else 0))
+        drafts = self.proposer.propose(requests, output, sched.finished_req_ids)
         for request_id, d in drafts.items():
             self.seqs[request_id].draft_token_ids, self.seqs[request_id].draft_probs = d.token_ids, d.probs
 
     @contextmanager
-    def _restart_on_failure(self, launched: LaunchedStep) -> Iterator[None]:
+    def _restart_on_failure(self, sched: SchedulerOutput) -> Iterator[None]:
         """On an error, every request of the step (and of a step queued after it) restarts from its tokens: the
         forward may have overwritten state slots (and drafter caches) that were never accounted for. Their output
-        is unchanged; the error goes to the caller."""
+        is unchanged; the error goes to the caller. The finished requests it reported are reported again."""
         try:
             yield
         except BaseException:
             queued = self.overlap.take()
-            for r in [*launched.scheduled, *(queued.scheduled if queued is not None else [])]:
+            self.scheduler.report_finished(sched.finished_req_ids + (queued.sched.finished_req_ids if queued else []))
+            for r in [*sched.scheduled, *(queued.sched.scheduled if queued is not None else [])]:
                 seq = self.seqs.get(r.request_id)
-                if seq is None:
+                if seq is None:  # it finished in this step: nothing will hand out its output
+                    self.output_processor.forget(r.request_id)
                     continue
                 if seq.output_token_ids and seq.output_token_ids[-1] == PLACEHOLDER:
                     seq.output_token_ids.pop()  # a token the step never delivered
@@ -194,17 +220,26 @@ class LLMEngine:
 
     # ---- helpers ---------------------------------------------------------------------------------
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             ids = prompt["prompt_token_ids"]
             if not isinstance(ids, list | tuple) or not all(type(t) is int for t in ids):  # bool is no token
                 raise ValueError("prompt_token_ids must be a list of ints")
             return prompt.get("prompt"), list(ids)
-        if isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str):
-            return prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
+        text = prompt.get("prompt") if isinstance(prompt, dict) else prompt
+        if isinstance(text, str):
+            return text, self._encode(text)
         raise ValueError("a prompt must be a string, {'prompt': str} or {'prompt_token_ids': [int, ...]}, "
                          f"got {type(prompt).__name__}")
+
+    def _encode(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError("a text prompt needs a tokenizer, and this engine has skip_tokenizer_init=True: give "
+                             "{'prompt_token_ids': [...]}")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:  # a lone surrogate: no tokenizer can take it
+            raise ValueError(f"the prompt is not valid Unicode: {e.reason} at index {e.start}") from e
+        return self.tokenizer.encode(text)
 
     def cache_info(self) -> dict[str, int]:
         return self.kv.cache_info() | {"kv_bytes_per_token": self.runner.kv_bytes_per_token}

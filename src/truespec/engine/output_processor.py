@@ -17,7 +17,7 @@ from truespec.sampling_params import RequestOutputKind
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, stop_checker: StopChecker) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase | None, stop_checker: StopChecker) -> None:
         self.tokenizer = tokenizer
         self.stop_checker = stop_checker
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
@@ -35,7 +35,6 @@ class OutputProcessor:
                 seq.output_logprobs.append(logprobs[i])
             reason = self.stop_checker.check(seq)
             if reason is not None:
-                seq.finished_time = now
                 return reason
         return None
 
@@ -59,13 +58,15 @@ class OutputProcessor:
         self._num_sent.pop(request_id, None)
 
     def _full_text(self, seq: Sequence) -> str:
-        if seq.is_finished:
+        if seq.is_finished or self.tokenizer is None:
             return seq.output_text
         detok = self._detokenizer(seq)
         detok.update(seq.output_token_ids)
         return detok.text[:detok.num_emitted]
 
     def _text_delta(self, seq: Sequence) -> str:
+        if self.tokenizer is None:  # skip_tokenizer_init: no text
+            return ""
         detok = self._detokenizer(seq)
         if seq.is_finished:
             return detok.finish(seq.output_text)

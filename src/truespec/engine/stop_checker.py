@@ -8,7 +8,7 @@ from truespec.core.sequence import Sequence
 
 
 class StopChecker:
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, hf_config: PretrainedConfig, model_dir: str) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase | None, hf_config: PretrainedConfig, model_dir: str) -> None:
         self.tokenizer = tokenizer
         self.eos_token_ids = _eos_token_ids(tokenizer, hf_config, model_dir)
 
@@ -27,8 +27,11 @@ class StopChecker:
         return None
 
     def _match_stop_string(self, seq: Sequence) -> bool:
+        """The earliest stop string that ends past the text of the first ``min_tokens`` tokens (vLLM ignores a
+        stop string inside that text); cut the output text there."""
         text = self.decode(seq)
-        hits = [(text.find(s), s) for s in seq.params.stop if s in text]
+        floor = len(self.decode(seq, seq.params.min_tokens)) if seq.params.min_tokens else 0
+        hits = [(i, s) for s in seq.params.stop if (i := text.find(s, max(0, floor - len(s) + 1))) >= 0]
         if not hits:
             return False
         index, stop = min(hits)
@@ -40,15 +43,25 @@ class StopChecker:
         seq.output_text, seq.stop_reason = self.decode(seq), stop_reason
         return reason
 
-    def decode(self, seq: Sequence) -> str:
-        return self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=seq.params.skip_special_tokens)
+    def decode(self, seq: Sequence, num_tokens: int | None = None) -> str:
+        """The text of the output's first ``num_tokens`` tokens (all by default)."""
+        if self.tokenizer is None:  # skip_tokenizer_init: outputs carry token ids and no text
+            return ""
+        ids = seq.output_token_ids if num_tokens is None else seq.output_token_ids[:num_tokens]
+        return self.tokenizer.decode(ids, skip_special_tokens=seq.params.skip_special_tokens)
 
 
-def _eos_token_ids(tokenizer: PreTrainedTokenizerBase, hf_config: PretrainedConfig, model_dir: str) -> set[int]:
+def _eos_token_ids(tokenizer: PreTrainedTokenizerBase | None, hf_config: PretrainedConfig,
+                   model_dir: str) -> set[int]:
     ids: set[int] = set()
-    sources: list[object] = [getattr(hf_config, "eos_token_id", None), tokenizer.eos_token_id]
-    if (Path(model_dir) / "generation_config.json").is_file():
-        sources.append(GenerationConfig.from_pretrained(model_dir, local_files_only=True).eos_token_id)
+    sources: list[object] = [getattr(hf_config, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None)]
+    path = Path(model_dir) / "generation_config.json"
+    if path.is_file():
+        try:
+            sources.append(GenerationConfig.from_pretrained(model_dir, local_files_only=True).eos_token_id)
+        except (OSError, TypeError, ValueError) as e:  # transformers: OSError for bad JSON, TypeError for a list
+            reason = e.__context__ if isinstance(e.__context__, ValueError) else e  # the JSON error, if any
+            raise ValueError(f"invalid {path}: {reason}") from e
     for value in sources:
         if isinstance(value, int):
             ids.add(value)

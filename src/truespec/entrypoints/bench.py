@@ -15,15 +15,18 @@ table comes last; ``--json`` writes every number.
 
 import argparse
 import json
+import os
 import platform
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
 
 from truespec.config import DTYPES
+from truespec.entrypoints.errors import run_command
+from truespec.entrypoints.prompts_file import PROMPT_KEYS, load_rows
 from truespec.entrypoints.verify import json_object
 from truespec.llm import LLM
 from truespec.sampling_params import SamplingParams
@@ -44,30 +47,32 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="auto")
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
-    parser.add_argument("--input-len", type=int, default=128, help="prompt length (random prompts)")
-    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--batch-sizes", type=_at_least(1), nargs="+", default=[1, 8])
+    parser.add_argument("--input-len", type=_at_least(1), default=128, help="prompt length (random prompts)")
+    parser.add_argument("--output-len", type=_at_least(1), default=64)
     parser.add_argument("--prompts-file", type=Path, default=None,
-                        help='JSON Lines with a "prompt" key: real prompts instead of random token ids')
+                        help='JSON Lines with a "prompt" (or "prompt_token_ids") key: real prompts instead of '
+                             "random token ids")
     parser.add_argument("--kind", choices=PROMPT_KINDS, default=None, help="only --prompts-file rows of this kind")
     parser.add_argument("--speculative-config", type=_json_arg, default=None,
                         help='as JSON: \'{"method": "ngram", "num_speculative_tokens": 4}\'')
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     parser.add_argument("--cudagraph-mode", choices=CUDAGRAPH_MODES, default=None)
-    parser.add_argument("--num-iters", type=int, default=1)
-    parser.add_argument("--warmup", type=int, default=1, help="untimed generate calls per batch size")
+    parser.add_argument("--num-iters", type=_at_least(1), default=1, help="timed generate calls per batch size")
+    parser.add_argument("--warmup", type=_at_least(0), default=1, help="untimed generate calls per batch size")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random prompt ids")
-    parser.add_argument("--json", type=Path, default=None, help="write the results here")
+    parser.add_argument("--json", type=_writable_path, default=None, help="write the results here")
 
 
 def main(args: argparse.Namespace) -> int:
+    file_prompts = None if args.prompts_file is None else load_file_prompts(args.prompts_file, args.kind)
     llm = LLM(**engine_kwargs(args))
-    rows = [bench_batch(llm, batch_prompts(llm, args, n), args) for n in args.batch_sizes]
+    rows = [bench_batch(llm, batch_prompts(llm, args, n, file_prompts), args) for n in args.batch_sizes]
+    print(format_table(rows, llm.llm_engine.config.speculative_config is not None))  # first: the JSON may fail
     if args.json is not None:
         report = {"device": device_name(llm.llm_engine.device), "torch": torch.__version__,
                   "args": _jsonable(vars(args)), "results": rows}
         args.json.write_text(json.dumps(report, indent=2) + "\n")
-    print(format_table(rows, llm.llm_engine.config.speculative_config is not None))
     return 0
 
 
@@ -83,15 +88,20 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
     return kwargs
 
 
-def batch_prompts(llm: LLM, args: argparse.Namespace, batch_size: int) -> list[dict]:
-    if args.prompts_file is None:
+def batch_prompts(llm: LLM, args: argparse.Namespace, batch_size: int,
+                  file_prompts: list[dict] | None = None) -> list[dict]:
+    if file_prompts is None:
         special = llm.get_tokenizer().all_special_ids
         return random_prompts(llm.llm_engine.hf_config.vocab_size, special, batch_size, args.input_len, args.seed)
-    rows = [json.loads(line) for line in args.prompts_file.read_text(encoding="utf-8").splitlines() if line.strip()]
-    texts = [r["prompt"] for r in rows if args.kind is None or r.get("kind") == args.kind]
-    if not texts:
-        raise ValueError(f"no prompts of kind {args.kind!r} in {args.prompts_file}")
-    return [{"prompt": texts[i % len(texts)]} for i in range(batch_size)]  # repeats when the file is short
+    return [file_prompts[i % len(file_prompts)] for i in range(batch_size)]  # repeats when the file is short
+
+
+def load_file_prompts(path: Path, kind: str | None) -> list[dict]:
+    """The prompts of ``path`` (of ``kind`` if given), before the engine loads, so a bad file fails fast."""
+    rows = [r for r in load_rows(path) if kind is None or r.get("kind") == kind]
+    if not rows:
+        raise ValueError(f"no prompts{'' if kind is None else f' of kind {kind!r}'} in {path}")
+    return [{k: v for k, v in r.items() if k in PROMPT_KEYS} for r in rows]
 
 
 def random_prompts(vocab_size: int, special_ids: Iterable[int], batch_size: int, input_len: int,
@@ -170,6 +180,30 @@ def format_table(rows: list[dict], is_speculative: bool) -> str:
     return "\n".join(lines)
 
 
+def _at_least(low: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
+        return value
+    return parse
+
+
+def _writable_path(text: str) -> Path:
+    """``--json``: checked when parsing, so a bad path fails before the run instead of losing its results."""
+    path = Path(text)
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{path} is a directory")
+    if not path.parent.is_dir():
+        raise argparse.ArgumentTypeError(f"directory {path.parent} does not exist")
+    if not os.access(path.parent, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise argparse.ArgumentTypeError(f"cannot write {path}")
+    return path
+
+
 def _json_arg(text: str) -> dict:
     try:
         return json_object(text)
@@ -184,4 +218,5 @@ def _jsonable(d: dict[str, object]) -> dict[str, object]:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(prog="truespec bench")
     add_bench_args(parser)
-    sys.exit(main(parser.parse_args()))
+    args = parser.parse_args()
+    sys.exit(run_command(lambda: main(args)))

@@ -1,7 +1,6 @@
 """Command line: ``truespec generate [--model DIR] "prompt"`` and ``truespec verify``."""
 
 import argparse
-import json
 import sys
 import time
 from collections.abc import Callable
@@ -9,6 +8,8 @@ from pathlib import Path
 
 from truespec.config import DTYPES
 from truespec.entrypoints.bench import add_parser as add_bench_parser
+from truespec.entrypoints.errors import run_command
+from truespec.entrypoints.prompts_file import check_cli_prompts, load_prompts
 from truespec.entrypoints.verify import DEBUG_FAULTS, KNOBS, baseline_of, format_results, json_object, verify
 from truespec.llm import LLM
 from truespec.sampling_params import SamplingParams
@@ -45,11 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     demo.set_defaults(run=_demo)
     add_bench_parser(sub)
     args = parser.parse_args(argv)
-    try:
-        return args.run(args)
-    except (ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    return run_command(lambda: args.run(args))
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -69,7 +66,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                         help="prepare the next decode step while the device runs this one (default: on for CUDA)")
-    parser.add_argument("--compilation-config", type=json_object, default=None,
+    parser.add_argument("--compilation-config", type=_arg_type(json_object), default=None,
                         help='CUDA graphs, as JSON: \'{"cudagraph_mode": "FULL_DECODE_ONLY"}\'')
     for knob in KNOBS:  # unset: the engine's default (and verify's baseline)
         parser.add_argument("--" + knob.name.replace("_", "-"), type=_arg_type(knob.parse), default=None,
@@ -93,34 +90,13 @@ def add_prompt_args(parser: argparse.ArgumentParser) -> None:
 
 
 def prompts_of(args: argparse.Namespace) -> list[PromptType]:
+    check_cli_prompts(args.prompts)
     prompts: list[PromptType] = list(args.prompts)
     if args.prompts_file is not None:
         prompts += load_prompts(args.prompts_file)
     if not prompts:
         raise ValueError("no prompts: give them as arguments or with --prompts-file")
     return prompts
-
-
-def load_prompts(path: Path) -> list[PromptType]:
-    """JSON Lines if the first non-empty line is a JSON object (then every line must be), else plain text."""
-    lines = [(n, line) for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1) if line.strip()]
-    if not lines or not _is_json_object(lines[0][1]):
-        return [line for _, line in lines]
-    prompts = []
-    for n, line in lines:
-        obj = json.loads(line) if _is_json_object(line) else None
-        if not isinstance(obj, dict) or not ({"prompt", "prompt_token_ids"} & obj.keys()):
-            raise ValueError(f"{path}:{n}: expected a JSON object with a \"prompt\" or \"prompt_token_ids\" key "
-                             "(the file's first line is JSON, so every line must be)")
-        prompts.append({k: v for k, v in obj.items() if k in ("prompt", "prompt_token_ids")})
-    return prompts
-
-
-def _is_json_object(line: str) -> bool:
-    try:
-        return isinstance(json.loads(line), dict)
-    except json.JSONDecodeError:
-        return False
 
 
 def _arg_type(parse: Callable[[str], object]) -> Callable[[str], object]:

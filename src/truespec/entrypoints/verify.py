@@ -98,6 +98,8 @@ def verify(model: str | None, prompts: PromptType | Sequence[PromptType], candid
         baseline_kwargs = baseline_of(candidate_kwargs)
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=ignore_eos, logprobs=2)
     prompts = [prompts] if isinstance(prompts, str | dict) else list(prompts)
+    for kwargs in (candidate_kwargs, baseline_kwargs):  # a bad candidate fails before the baseline runs
+        LLM.check_args(model, **kwargs)
     baseline, tokenizer = _run(model, baseline_kwargs, prompts, params, None)
     candidate, _ = _run(model, candidate_kwargs, prompts, params, candidate_hook)
     return [VerifyResult(p, b.token_ids, c.token_ids, first_divergence(b, c, tokenizer))

@@ -6,7 +6,7 @@ How many blocks fit is discovered when the engine sizes the pool (``sizing.py``)
 
 from dataclasses import dataclass
 
-from truespec.config import EngineConfig, check, is_number, is_pos_int
+from truespec.config import EngineConfig, check, is_finite, is_pos_int
 
 KV_CACHE_DTYPES = ("auto",)  # "auto": the model's dtype
 
@@ -25,10 +25,10 @@ class CacheConfig:
               f"must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         check(self.num_gpu_blocks_override is None or is_pos_int(self.num_gpu_blocks_override),
               "num_gpu_blocks_override", f"must be a positive int, got {self.num_gpu_blocks_override!r}")
-        check(is_number(self.gpu_memory_utilization) and 0 < self.gpu_memory_utilization <= 1,
+        check(is_finite(self.gpu_memory_utilization) and 0 < self.gpu_memory_utilization <= 1,
               "gpu_memory_utilization", f"must be a number in (0, 1], got {self.gpu_memory_utilization!r}")
-        check(is_number(self.cpu_kv_cache_space_gib) and self.cpu_kv_cache_space_gib > 0, "cpu_kv_cache_space_gib",
-              f"must be a number > 0, got {self.cpu_kv_cache_space_gib!r}")
+        check(is_finite(self.cpu_kv_cache_space_gib) and self.cpu_kv_cache_space_gib > 0, "cpu_kv_cache_space_gib",
+              f"must be a finite number > 0, got {self.cpu_kv_cache_space_gib!r}")
 
     @classmethod
     def from_engine_config(cls, config: EngineConfig) -> "CacheConfig":

@@ -20,6 +20,7 @@ def probabilities(row: torch.Tensor, p: SamplingParams) -> torch.Tensor:
         sorted_probs, order = torch.sort(probs, descending=True)
         # keep the smallest prefix whose mass reaches top_p (the first token is always kept)
         drop_sorted = (torch.cumsum(sorted_probs, dim=-1) - sorted_probs) >= p.top_p
+        drop_sorted[0] = False  # also when top_p is 0 in float32 (1e-46): 0 >= 0 would drop every token
         probs = probs.masked_fill(torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted), 0.0)
     if p.min_p > 0.0:
         probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)

@@ -59,16 +59,28 @@ def save_eagle_head(
     )
 
 
-def load_eagle_head(directory: str | Path, target: CausalLM, hidden_size: int) -> EagleHead:
+def read_eagle_config(directory: str | Path, hidden_size: int) -> Qwen3Config:
+    """The head's layer config, checked against the target's ``hidden_size`` (no weight loaded)."""
     root = Path(directory)
     if not (root / "config.json").is_file():
         raise FileNotFoundError(f"EAGLE head directory has no config.json: {root}")
-    raw = json.loads((root / "config.json").read_text())
-    if raw.get("model_type") != MODEL_TYPE or "layer_config" not in raw:
+    try:
+        raw = json.loads((root / "config.json").read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"cannot parse {root / 'config.json'}: {e}") from e
+    if not isinstance(raw, dict) or raw.get("model_type") != MODEL_TYPE or "layer_config" not in raw:
         raise ValueError(f"{root / 'config.json'} is not an EAGLE head (model_type must be {MODEL_TYPE!r})")
     config = Qwen3Config(**raw["layer_config"])
     if config.hidden_size != hidden_size:
         raise ValueError(f"EAGLE head hidden_size {config.hidden_size} != the target's {hidden_size}")
+    if not (root / "model.safetensors").is_file():
+        raise FileNotFoundError(f"EAGLE head directory has no model.safetensors: {root}")
+    return config
+
+
+def load_eagle_head(directory: str | Path, target: CausalLM, hidden_size: int) -> EagleHead:
+    root = Path(directory)
+    config = read_eagle_config(root, hidden_size)
     try:
         weights = load_file(str(root / "model.safetensors"))
     except (SafetensorError, OSError, FileNotFoundError) as e:

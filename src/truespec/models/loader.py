@@ -70,6 +70,23 @@ def _read_config(root: Path) -> tuple[PretrainedConfig, type[CausalLM]]:
     return AutoConfig.from_pretrained(root, local_files_only=True), cls
 
 
+def read_text_config(model_dir: str | Path) -> PretrainedConfig:
+    """The text model's config of a checkpoint directory, without loading any weight."""
+    return _read_config(Path(model_dir))[0].get_text_config()
+
+
+def checkpoint_tensor_names(model_dir: str | Path) -> list[str]:
+    """The tensor names a checkpoint's safetensors files hold (read from their headers, no weight loaded)."""
+    names = []
+    for path in _weight_files(Path(model_dir)):
+        try:
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                names += list(f.keys())
+        except (SafetensorError, OSError, RuntimeError) as e:
+            raise ValueError(f"cannot read safetensors file {path}: {e}") from e
+    return names
+
+
 def _weight_files(root: Path) -> list[Path]:
     index = root / _INDEX_FILE
     if index.is_file():

@@ -35,12 +35,17 @@ class MTPHead(HiddenStateDraftHead):
         return self.fc(torch.cat([self.pre_fc_norm_embedding(embeds), self.pre_fc_norm_hidden(hidden)], dim=-1))
 
 
-def load_mtp_head(config: Any, target: CausalLM, mtp_weights: dict[str, torch.Tensor]) -> MTPHead:
-    """Build the head and load ``mtp.*`` weights (from ``LoadedModel.mtp_weights``)."""
-    if not mtp_weights:
+def check_mtp_checkpoint(config: Any, tensor_names: list[str]) -> None:
+    """A target can draft with MTP: a qwen3_5 model whose checkpoint holds ``mtp.*`` weights."""
+    if not any(name.startswith("mtp.") for name in tensor_names):
         raise ValueError("speculative method 'mtp' needs mtp.* weights, and this checkpoint has none")
     if getattr(config, "model_type", "") not in ("qwen3_5_text", "qwen3_5"):
         raise ValueError(f"speculative method 'mtp' supports qwen3_5 models, not {config.model_type!r}")
+
+
+def load_mtp_head(config: Any, target: CausalLM, mtp_weights: dict[str, torch.Tensor]) -> MTPHead:
+    """Build the head and load ``mtp.*`` weights (from ``LoadedModel.mtp_weights``)."""
+    check_mtp_checkpoint(config, list(mtp_weights))
     any_weight = next(iter(mtp_weights.values()))
     with torch.device("meta"):
         head = MTPHead(config, target)

@@ -12,6 +12,7 @@ from typing import Protocol
 
 import torch
 
+from truespec.core.sequence import token_slice
 from truespec.sampling_params import SamplingParams
 from truespec.worker.runner_output import ModelRunnerOutput
 
@@ -20,8 +21,9 @@ from truespec.worker.runner_output import ModelRunnerOutput
 class DraftRequest:
     request_id: str
     params: SamplingParams
-    token_ids: list[int]  # every known token: prompt, output, and the step's new tokens
-    num_prompt_tokens: int
+    # the request's tokens, the step's new ones included (read only: the engine's own lists, not copies)
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
     step_start: int  # tokens in the target's cache before the step (the step's first position)
     num_computed_tokens: int  # tokens in the target's cache after the step (verified positions)
     row: int  # the request's index in the step (its hidden rows start at output.query_start_loc[row])
@@ -29,6 +31,14 @@ class DraftRequest:
     first_state_slot: int
     is_drafting: bool  # it got a new token: draft for its next step
     max_drafts: int  # at most this many drafts (0 when not drafting)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """Tokens ``start .. end - 1`` of the request."""
+        return token_slice(self.prompt_token_ids, self.output_token_ids, start, end)
 
 
 @dataclass

@@ -84,9 +84,9 @@ class ModelDrafter:
         if end <= start:
             return None
         if not self.uses_target_hidden:
-            return _Job(r, start, r.token_ids[start:end], [])
+            return _Job(r, start, r.token_slice(start, end), [])
         first = output.query_start_loc[r.row]  # hidden state of position t goes with token t + 1
-        return _Job(r, start, r.token_ids[start + 1:end + 1], list(range(first, first + end - start)))
+        return _Job(r, start, r.token_slice(start + 1, end + 1), list(range(first, first + end - start)))
 
     def _catch_up(self, jobs: list[_Job], output: ModelRunnerOutput) -> None:
         rows, input_ids, positions, hidden_rows = [], [], [], []
@@ -99,7 +99,8 @@ class ModelDrafter:
             positions += range(job.start, job.start + n)
             hidden_rows += job.hidden_rows
         hidden_in = output.hidden_states[hidden_rows] if self.uses_target_hidden else None
-        decode_only = all(len(job.input_ids) <= 1 + self.k for job in jobs)  # no prompt prefill in it
+        # no prompt prefill in it: at most the step's 1 + k verified positions (and a draft model's new token)
+        decode_only = all(len(job.input_ids) <= 1 + self.k + self.offset for job in jobs)
         hidden, _ = self.graphs.run(rows, input_ids, positions, hidden_in, decode_only)
         last = 0
         for job in jobs:

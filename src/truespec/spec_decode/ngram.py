@@ -13,7 +13,8 @@ class NgramProposer:
     def propose(self, requests: list[DraftRequest], output: ModelRunnerOutput,
                 finished_req_ids: list[str]) -> dict[str, Drafts]:
         """Drafts for each request that just got a new token (ngram drafts are one-hot: no probabilities)."""
-        return {r.request_id: Drafts(self.lookup(r.token_ids, r.max_drafts)) for r in requests if r.is_drafting}
+        return {r.request_id: Drafts(self.lookup(r.prompt_token_ids + r.output_token_ids, r.max_drafts))
+                for r in requests if r.is_drafting}
 
     def lookup(self, token_ids: list[int], max_drafts: int) -> list[int]:
         """Up to ``min(k, max_drafts)`` tokens that followed the most recent earlier occurrence of the

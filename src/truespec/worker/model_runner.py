@@ -22,8 +22,7 @@ from truespec.worker.runner_output import ModelRunnerOutput
 class LaunchedStep:
     """A step queued on the device (``ModelRunner.launch``) whose tokens ``ModelRunner.collect`` reads."""
 
-    scheduled: list[ScheduledRequest]
-    finished_req_ids: list[str]  # of its SchedulerOutput: the proposer drops their state too
+    sched: SchedulerOutput
     logits: torch.Tensor  # [rows, vocab] float, min_tokens bans applied
     output: ModelRunnerOutput
     spans: list[tuple[int, int]] = field(default_factory=list)  # per request: (first logits row, rows)
@@ -88,7 +87,7 @@ class ModelRunner:
         logits = logits if logits.dtype == torch.float64 else logits.float()
         output = ModelRunnerOutput([r.request_id for r in scheduled], hidden_states=hidden,
                                    query_start_loc=ctx.query_start_loc_cpu)
-        step = LaunchedStep(scheduled, sched.finished_req_ids, logits, output)
+        step = LaunchedStep(sched, logits, output)
         row = 0
         for r in scheduled:  # rows [row, row + 1 + drafts) of the requests whose last chunk ran
             n = r.num_logits
@@ -112,11 +111,11 @@ class ModelRunner:
         each random one with its own generator) and one copy of them all to the host behind an event: no
         per-request sync, and the host may queue the next step before this one ends."""
         values = []
-        if any(r.params.is_greedy for r in step.scheduled):
+        if any(r.params.is_greedy for r in step.sched.scheduled):
             step.argmax = step.logits.argmax(dim=-1)
             values.append(step.argmax)
         offset = len(step.logits) if values else 0
-        for r, (start, n) in zip(step.scheduled, step.spans, strict=True):
+        for r, (start, n) in zip(step.sched.scheduled, step.spans, strict=True):
             if n == 0 or r.params.is_greedy:
                 step.offsets.append(start)
                 continue
@@ -137,7 +136,7 @@ class ModelRunner:
             step.done.synchronize()
         values = step.values_host.tolist() if step.values_host is not None else []  # the step's one host read
         out = step.output
-        for r, (start, n), at in zip(step.scheduled, step.spans, step.offsets, strict=True):
+        for r, (start, n), at in zip(step.sched.scheduled, step.spans, step.offsets, strict=True):
             if n == 0:
                 out.sampled_token_ids.append([])
                 out.logprobs.append(None)
