@@ -15,7 +15,7 @@ import time
 from collections import deque
 
 from truespec.core.scheduler_output import ScheduledRequest, SchedulerOutput
-from truespec.core.sequence import Sequence, SequenceStatus
+from truespec.core.sequence import Sequence, SequenceStatus, token_slice
 from truespec.kv_cache.manager import KVCacheManager
 
 
@@ -49,9 +49,10 @@ class Scheduler:
                 i += 1
                 continue
             n, drafts = plan
-            if not self._make_room(seq, self._num_tokens_to_hold(seq, n, drafts), out):
+            num_tokens = self._num_tokens_to_hold(seq, n, drafts)
+            if not self._make_room(seq, num_tokens, out):
                 continue  # seq itself was preempted (it was the last running one)
-            out.scheduled.append(self._scheduled_request(seq, n, drafts))
+            out.scheduled.append(self._scheduled_request(seq, n, drafts, num_tokens))
             budget -= n + len(drafts)
             i += 1
         skipped += self.running[i:]  # not reached: the budget ran out
@@ -95,16 +96,16 @@ class Scheduler:
             end = min(end + self.num_lookahead_tokens, seq.prompt_len + seq.max_output_len)
         return end
 
-    def _scheduled_request(self, seq: Sequence, n: int, drafts: list[int]) -> ScheduledRequest:
-        self.kv.allocate(seq.request_id, self._num_tokens_to_hold(seq, n, drafts))
-        start = seq.num_computed_tokens
-        return ScheduledRequest(
-            request_id=seq.request_id, params=seq.params, num_computed_tokens=start,
-            num_scheduled_tokens=n + len(drafts), token_ids=seq.token_slice(start, start + n) + drafts,
-            draft_token_ids=drafts, draft_probs=seq.draft_probs if drafts else None,
-            block_ids=self.kv.block_ids(seq.request_id), first_state_slot=self.kv.first_state_slot(seq.request_id),
-            state_index=seq.state_index, num_output_tokens=len(seq.output_token_ids),
-            is_last_chunk=start + n == seq.num_tokens)
+    def _scheduled_request(self, seq: Sequence, n: int, drafts: list[int], num_tokens: int) -> ScheduledRequest:
+        """Allocate the blocks for ``num_tokens`` positions and describe the step's work for the runner."""
+        request_id, start = seq.request_id, seq.num_computed_tokens
+        block_ids = self.kv.allocate(request_id, num_tokens)
+        output_len = len(seq.output_token_ids)
+        token_ids = token_slice(seq.prompt_token_ids, seq.output_token_ids, start, start + n) + drafts
+        return ScheduledRequest(  # positional, in field order: this runs for every request of every step
+            request_id, seq.params, start, n + len(drafts), token_ids, drafts, seq.draft_probs if drafts else None,
+            block_ids, self.kv.first_state_slot(request_id), seq.state_index, output_len,
+            start + n == seq.prompt_len + output_len)
 
     def _make_room(self, seq: Sequence, num_tokens: int, out: SchedulerOutput) -> bool:
         while not self.kv.can_allocate(seq.request_id, num_tokens):
@@ -122,14 +123,14 @@ class Scheduler:
             if plan is None:
                 break
             n, drafts = plan
-            if not (self.kv.can_allocate_state()
-                    and self.kv.can_allocate(seq.request_id, self._num_tokens_to_hold(seq, n, drafts))):
+            num_tokens = self._num_tokens_to_hold(seq, n, drafts)
+            if not (self.kv.can_allocate_state() and self.kv.can_allocate(seq.request_id, num_tokens)):
                 break
             self.waiting.popleft()
             self.kv.allocate_state(seq.request_id)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            out.scheduled.append(self._scheduled_request(seq, n, drafts))
+            out.scheduled.append(self._scheduled_request(seq, n, drafts, num_tokens))
             budget -= n + len(drafts)
 
     def preempt(self, seq: Sequence) -> None:

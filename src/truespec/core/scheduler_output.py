@@ -11,7 +11,7 @@ from typing import Any
 from truespec.sampling_params import SamplingParams
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledRequest:
     request_id: str
     params: SamplingParams

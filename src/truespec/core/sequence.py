@@ -2,8 +2,8 @@
 
 Only the engine side changes a Sequence: the scheduler its status (finish included) and, on preemption, its
 progress; the engine the progress and drafts a step produced (the async scheduler the progress and a placeholder
-token of a step it queues ahead); the output processor its new tokens (up to a stop), text and timestamps. Which KV blocks and state slots it holds is recorded by the ``KVCacheManager`` under its
-``request_id``.
+token of a step it queues ahead); the output processor its new tokens (up to a stop), text and timestamps.
+Which KV blocks and state slots it holds is recorded by the ``KVCacheManager`` under its ``request_id``.
 """
 
 import time

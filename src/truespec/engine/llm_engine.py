@@ -2,8 +2,8 @@
 
 import itertools
 import threading
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+import time
+from collections.abc import Callable
 
 import torch
 
@@ -128,55 +128,57 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule -> run -> process outputs -> propose drafts. Returns the outputs the step produced (as each
         request's ``output_kind`` asks). A step queued by async scheduling is collected here."""
-        with self._one_thread():
+        if not self._stepping.acquire(blocking=False):
+            raise RuntimeError("LLMEngine.step is running in another thread: one engine steps one batch at a time "
+                               "(LLM.generate serialises its callers; do the same around the engine)")
+        try:
             launched = self.overlap.take()
             sched = self.scheduler.schedule() if launched is None else launched.sched
             if not sched.scheduled:
                 return []
-            with self._restart_on_failure(sched):
+            try:
                 launched = launched or self.runner.launch(sched)
                 provisional = self.overlap.launch_next(launched)
                 output = self.runner.collect(launched)
                 updated = self._update(sched.scheduled, output, provisional)
                 self._propose(sched, output)
+            except BaseException:
+                self._restart(sched)
+                raise
             self.overlap.drop_if_finished()
-        return [out for seq in updated if (out := self.output_processor.make_output(seq)) is not None]
-
-    @contextmanager
-    def _one_thread(self) -> Iterator[None]:
-        if not self._stepping.acquire(blocking=False):
-            raise RuntimeError("LLMEngine.step is running in another thread: one engine steps one batch at a time "
-                               "(LLM.generate serialises its callers; do the same around the engine)")
-        try:
-            yield
         finally:
             self._stepping.release()
+        return [out for seq in updated if (out := self.output_processor.make_output(seq)) is not None]
 
     def _update(self, scheduled: list[ScheduledRequest], output: ModelRunnerOutput,
                 provisional: bool) -> list[Sequence]:
-        """Apply the step to its requests: progress, drafts used up, new tokens (until a stop). The requests that
-        got tokens. ``provisional``: async scheduling already advanced them and appended a placeholder token."""
-        updated = []
-        for i, r in enumerate(scheduled):
+        """Apply the step to its requests: progress, drafts used up, new tokens (until a stop). The requests with
+        an output to hand out (see ``OutputProcessor.wants_output``). ``provisional``: async scheduling already
+        advanced them and appended a placeholder token."""
+        updated, now = [], time.monotonic()
+        for r, tokens, logprobs in zip(scheduled, output.sampled_token_ids, output.logprobs, strict=True):
             seq = self.seqs.get(r.request_id)
             if seq is None or seq.is_finished:  # aborted, or stopped at a step queued before this one was read
                 continue
-            tokens, num_accepted = output.sampled_token_ids[i], output.num_accepted(i)
+            num_accepted = len(tokens) - 1 if tokens else 0
             if provisional:
                 seq.output_token_ids.pop()
             else:
-                seq.advance(r.num_new_tokens, num_accepted)
+                seq.advance(r.num_scheduled_tokens - len(r.draft_token_ids), num_accepted)
             if not tokens:  # a prefill chunk that is not the request's last
                 continue
-            seq.draft_token_ids, seq.draft_probs = [], None
-            self.spec_metrics.observe(len(r.draft_token_ids), num_accepted)
-            reason = self.output_processor.process(seq, tokens, output.logprobs[i])
+            if seq.draft_token_ids:  # used up by this step (or cut to what the request may still emit)
+                seq.draft_token_ids, seq.draft_probs = [], None
+            if r.draft_token_ids:
+                self.spec_metrics.observe(len(r.draft_token_ids), num_accepted)
+            reason = self.output_processor.process(seq, tokens, logprobs, now)
             if reason is not None:  # nothing after the stop leaks out
                 self.scheduler.finish(seq, reason)
                 self.seqs.pop(seq.request_id, None)
             for hook in self.update_hooks:
                 hook(seq, num_accepted)
-            updated.append(seq)
+            if self.output_processor.wants_output(seq):
+                updated.append(seq)
         return updated
 
     def _propose(self, sched: SchedulerOutput, output: ModelRunnerOutput) -> None:
@@ -197,26 +199,21 @@ class LLMEngine:
         for request_id, d in drafts.items():
             self.seqs[request_id].draft_token_ids, self.seqs[request_id].draft_probs = d.token_ids, d.probs
 
-    @contextmanager
-    def _restart_on_failure(self, sched: SchedulerOutput) -> Iterator[None]:
-        """On an error, every request of the step (and of a step queued after it) restarts from its tokens: the
-        forward may have overwritten state slots (and drafter caches) that were never accounted for. Their output
-        is unchanged; the error goes to the caller. The finished requests it reported are reported again."""
-        try:
-            yield
-        except BaseException:
-            queued = self.overlap.take()
-            self.scheduler.report_finished(sched.finished_req_ids + (queued.sched.finished_req_ids if queued else []))
-            for r in [*sched.scheduled, *(queued.sched.scheduled if queued is not None else [])]:
-                seq = self.seqs.get(r.request_id)
-                if seq is None:  # it finished in this step: nothing will hand out its output
-                    self.output_processor.forget(r.request_id)
-                    continue
-                if seq.output_token_ids and seq.output_token_ids[-1] == PLACEHOLDER:
-                    seq.output_token_ids.pop()  # a token the step never delivered
-                if not seq.is_finished and seq in self.scheduler.running:
-                    self.scheduler.preempt(seq)
-            raise
+    def _restart(self, sched: SchedulerOutput) -> None:
+        """After an error in a step: every request of the step (and of a step queued after it) restarts from its
+        tokens, since the forward may have overwritten state slots (and drafter caches) that were never accounted
+        for. Their output is unchanged. The finished requests the step reported are reported again."""
+        queued = self.overlap.take()
+        self.scheduler.report_finished(sched.finished_req_ids + (queued.sched.finished_req_ids if queued else []))
+        for r in [*sched.scheduled, *(queued.sched.scheduled if queued is not None else [])]:
+            seq = self.seqs.get(r.request_id)
+            if seq is None:  # it finished in this step: nothing will hand out its output
+                self.output_processor.forget(r.request_id)
+                continue
+            if seq.output_token_ids and seq.output_token_ids[-1] == PLACEHOLDER:
+                seq.output_token_ids.pop()  # a token the step never delivered
+            if not seq.is_finished and seq in self.scheduler.running:
+                self.scheduler.preempt(seq)
 
     # ---- helpers ---------------------------------------------------------------------------------
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:

@@ -38,6 +38,11 @@ class OutputProcessor:
                 return reason
         return None
 
+    @staticmethod
+    def wants_output(seq: Sequence) -> bool:
+        """Whether ``seq`` hands out an output after a step that gave it tokens."""
+        return seq.is_finished or seq.params.output_kind is not RequestOutputKind.FINAL_ONLY
+
     def make_output(self, seq: Sequence) -> RequestOutput | None:
         """The request's output after this step, as its ``output_kind`` asks (None: nothing to hand out)."""
         kind = seq.params.output_kind

@@ -26,16 +26,18 @@ class KVCacheManager:
 
     def num_blocks_needed(self, request_id: str, num_tokens: int) -> int:
         """Blocks to add so that the request's table covers positions ``0 .. num_tokens - 1``."""
-        return max(0, -(-num_tokens // self.block_size) - len(self.block_ids(request_id)))
+        return max(0, -(-num_tokens // self.block_size) - len(self._block_tables.get(request_id, ())))
 
     def can_allocate(self, request_id: str, num_tokens: int) -> bool:
         return self.num_blocks_needed(request_id, num_tokens) <= self.blocks.num_free
 
-    def allocate(self, request_id: str, num_tokens: int) -> None:
-        """Grow the request's block table to cover ``num_tokens`` positions."""
-        needed = self.num_blocks_needed(request_id, num_tokens)
-        if needed:
-            self._block_tables.setdefault(request_id, []).extend(self.blocks.allocate(needed))
+    def allocate(self, request_id: str, num_tokens: int) -> list[int]:
+        """Grow the request's block table to cover ``num_tokens`` positions; the table."""
+        table = self._block_tables.setdefault(request_id, [])
+        needed = -(-num_tokens // self.block_size) - len(table)
+        if needed > 0:
+            table.extend(self.blocks.allocate(needed))
+        return table
 
     # ---- recurrent-state groups -----------------------------------------------------------------
     def can_allocate_state(self) -> bool:

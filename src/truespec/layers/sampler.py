@@ -25,3 +25,13 @@ def probabilities(row: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     if p.min_p > 0.0:
         probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
     return probs / probs.sum()
+
+
+def request_generator(params: SamplingParams, request_id: str, engine_seed: int, device: torch.device,
+                      stream: int = 0) -> torch.Generator:
+    """A request's own random stream (``stream`` 0: the target's sampling; 1: a drafter's), seeded by
+    ``params.seed`` or else by the engine seed and the request id: the same whatever the batch."""
+    base = params.seed if params.seed is not None else engine_seed * 1_000_003 + int(request_id)
+    gen = torch.Generator(device=device)
+    gen.manual_seed((base + stream * 0x9E3779B97F4A7C15) % 2**64)
+    return gen

@@ -21,11 +21,10 @@ from dataclasses import dataclass, field
 import torch
 
 from truespec.kv_cache.layout import allocate_caches
-from truespec.layers.sampler import probabilities
+from truespec.layers.sampler import probabilities, request_generator
 from truespec.spec_decode.interface import DraftRequest, Drafts
 from truespec.worker.graph_runner import GraphRunner, GraphSettings
 from truespec.worker.input_builder import ContextRow
-from truespec.worker.model_runner import request_generator
 from truespec.worker.runner_output import ModelRunnerOutput
 
 

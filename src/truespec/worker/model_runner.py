@@ -12,6 +12,7 @@ import torch
 from truespec.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from truespec.kv_cache.layout import allocate_caches, kv_bytes_per_token, state_bytes_per_slot
 from truespec.layers.rejection_sampler import emitted_tokens, greedy_verify, rejection_sample_draws
+from truespec.layers.sampler import request_generator
 from truespec.sampling_params import SamplingParams
 from truespec.worker.graph_runner import GraphRunner, GraphSettings
 from truespec.worker.input_builder import ContextRow
@@ -158,11 +159,11 @@ class ModelRunner:
         positions: list[int] = []
         rows = []
         for r in scheduled:
-            start = r.num_computed_tokens
+            start, query_len, num_drafts = r.num_computed_tokens, r.num_scheduled_tokens, len(r.draft_token_ids)
             input_ids += r.token_ids
-            positions += range(start, start + r.num_scheduled_tokens)
-            rows.append(ContextRow(r.block_ids, start, r.num_scheduled_tokens, r.state_src, r.first_state_slot,
-                                   r.num_new_tokens - 1, r.num_logits))
+            positions += range(start, start + query_len)
+            rows.append(ContextRow(r.block_ids, start, query_len, r.state_src, r.first_state_slot,
+                                   query_len - num_drafts - 1, 1 + num_drafts if r.is_last_chunk else 0))
         return rows, input_ids, positions
 
     def _generator(self, request_id: str, params: SamplingParams) -> torch.Generator:
@@ -170,16 +171,6 @@ class ModelRunner:
         if gen is None:
             gen = self._generators[request_id] = request_generator(params, request_id, self.seed, self.device)
         return gen
-
-
-def request_generator(params: SamplingParams, request_id: str, engine_seed: int, device: torch.device,
-                      stream: int = 0) -> torch.Generator:
-    """A request's own random stream (``stream`` 0: the target's sampling; 1: a drafter's), seeded by
-    ``params.seed`` or else by the engine seed and the request id: the same whatever the batch."""
-    base = params.seed if params.seed is not None else engine_seed * 1_000_003 + int(request_id)
-    gen = torch.Generator(device=device)
-    gen.manual_seed((base + stream * 0x9E3779B97F4A7C15) % 2**64)
-    return gen
 
 
 def _top_logprobs(logprobs: torch.Tensor, tokens: list[int], num: int) -> list[dict[int, float]]:
