@@ -154,3 +154,19 @@ def test_vs_transformers_mixed_workload_runs_both_engines(tiny_shape_dir: Path, 
     engines = json.loads(out.read_text())["engines"]
     assert engines["truespec"]["mixed"]["batch_size"] == 5 and engines["transformers"]["mixed"]["batch_size"] == 2
     assert all(e["mixed"]["num_requests"] == 5 and e["mixed"]["output_tok_per_s"] > 0 for e in engines.values())
+
+
+def test_compare_no_spec_runs_both_engines_side_by_side(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    parser = argparse.ArgumentParser()
+    bench.add_bench_args(parser)
+    spec = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}'
+    args = parser.parse_args([*TINY_SIZES, "--device", "cpu", "--speculative-config", spec, "--compare-no-spec",
+                              "--json", str(tmp_path / "bench.json")])
+    assert bench.main(args) == 0
+    report = json.loads((tmp_path / "bench.json").read_text())
+    for rows in (report["results"], report["no_spec_results"]):
+        assert [r["batch_size"] for r in rows] == [1, 2] and [r["num_output_tokens"] for r in rows] == [4, 8]
+    assert all(r["mean_acceptance_length"] is None for r in report["no_spec_results"])
+    assert "speedup" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="--compare-no-spec needs --speculative-config"):
+        bench.main(parser.parse_args([*TINY_SIZES, "--device", "cpu", "--compare-no-spec"]))

@@ -67,6 +67,24 @@ def test_speculative_method_is_lossless(setups: dict, method: str, target: str, 
     assert info["num_free_blocks"] == info["num_blocks"] and info["num_free_state_slots"] == info["num_state_slots"]
 
 
+@pytest.mark.parametrize("method", ["draft_model", "mtp"])
+def test_disable_by_batch_size_drafts_only_in_small_batches(setup: dict, method: str) -> None:
+    """vLLM's disable_by_batch_size: no drafts while 4 or more requests run, drafting again below that. The
+    drafter keeps catching up meanwhile: with the target as its own draft model every draft is accepted, which
+    fails if a catch-up-only step left its KV or recurrent state behind."""
+    config = spec_config(method, 3, setup["models"], setup["target"]) | {"disable_by_batch_size": 4}
+    if method == "draft_model":
+        config["model"] = str(setup["target"])
+    llm = LLM(str(setup["target"]), dtype="float64", device="cpu", max_model_len=400, max_num_batched_tokens=16,
+              speculative_config=config)
+    assert [o.outputs[0].token_ids for o in llm.generate(setup["prompts"], GREEDY, use_tqdm=False)] == setup["ref"]
+    metrics = llm.get_metrics()
+    assert metrics["num_steps_without_drafts"] > 0 and metrics["num_drafts"] > 0
+    assert metrics["num_steps_without_drafts"] < metrics["num_steps"]
+    if method == "draft_model":
+        assert metrics["num_accepted_tokens"] == metrics["num_draft_tokens"]
+
+
 def test_seeded_random_sampling_with_a_draft_model_is_batch_invariant(setup: dict) -> None:
     params = [SamplingParams(temperature=0.8, top_p=0.95, seed=40 + i, max_tokens=16, ignore_eos=True)
               for i in range(len(setup["prompts"]))]

@@ -115,6 +115,8 @@ class SpeculativeConfig:
     prompt_lookup_min: int | None = None  # ngram: shortest suffix n-gram to look up
     prompt_lookup_max: int | None = None  # ngram: longest
     enforce_eager: bool | None = None  # True: the drafter runs without CUDA graphs (None: the target's mode)
+    # vLLM's key: no drafts in a step after which this many requests or more are running (None: always draft)
+    disable_by_batch_size: int | None = None
 
     def __post_init__(self) -> None:
         check(self.method in SPEC_METHODS, "speculative_config.method",
@@ -130,6 +132,8 @@ class SpeculativeConfig:
               f"must be an int in [1, {MAX_SPECULATIVE_TOKENS}], got {k!r}")
         check(self.enforce_eager is None or isinstance(self.enforce_eager, bool), "speculative_config.enforce_eager",
               f"must be a bool, got {self.enforce_eager!r}")
+        check(self.disable_by_batch_size is None or is_pos_int(self.disable_by_batch_size),
+              "speculative_config.disable_by_batch_size", f"must be a positive int, got {self.disable_by_batch_size!r}")
         needs_model = self.method in ("draft_model", "eagle")
         check(not needs_model or is_path(self.model), "speculative_config.model",
               f"is required for method {self.method!r} (the drafter's directory), got {self.model!r}")
@@ -148,7 +152,7 @@ class SpeculativeConfig:
         if not isinstance(d, dict):
             raise ValueError(f"speculative_config must be a dict, got {type(d).__name__}")
         known = {"method", "num_speculative_tokens", "model", "prompt_lookup_min", "prompt_lookup_max",
-                 "enforce_eager"}
+                 "enforce_eager", "disable_by_batch_size"}
         unknown = sorted(set(d) - known)
         check(not unknown, "speculative_config", f"has unknown keys {unknown}; known: {sorted(known)}")
         check("method" in d and "num_speculative_tokens" in d, "speculative_config",

@@ -155,7 +155,7 @@ class LLMEngine:
         """Apply the step to its requests: progress, drafts used up, new tokens (until a stop). The requests with
         an output to hand out (see ``OutputProcessor.wants_output``). ``provisional``: async scheduling already
         advanced them and appended a placeholder token."""
-        updated, now = [], time.monotonic()
+        updated, now, has_drafts = [], time.monotonic(), False
         for r, tokens, logprobs in zip(scheduled, output.sampled_token_ids, output.logprobs, strict=True):
             seq = self.seqs.get(r.request_id)
             if seq is None or seq.is_finished:  # aborted, or stopped at a step queued before this one was read
@@ -170,6 +170,7 @@ class LLMEngine:
             if seq.draft_token_ids:  # used up by this step (or cut to what the request may still emit)
                 seq.draft_token_ids, seq.draft_probs = [], None
             if r.draft_token_ids:
+                has_drafts = True
                 self.spec_metrics.observe(len(r.draft_token_ids), num_accepted)
             reason = self.output_processor.process(seq, tokens, logprobs, now)
             if reason is not None:  # nothing after the stop leaks out
@@ -179,18 +180,20 @@ class LLMEngine:
                 hook(seq, num_accepted)
             if self.output_processor.wants_output(seq):
                 updated.append(seq)
+        self.spec_metrics.observe_step(has_drafts)
         return updated
 
     def _propose(self, sched: SchedulerOutput, output: ModelRunnerOutput) -> None:
         """Let the proposer catch up on the step and draft for the requests that got a new token."""
         if self.proposer is None:
             return
-        requests = []
+        requests, limit = [], self.config.speculative_config.disable_by_batch_size
+        may_draft = limit is None or len(self.scheduler.running) < limit  # else: the drafters only catch up
         for i, r in enumerate(sched.scheduled):
             seq = self.seqs.get(r.request_id)
             if seq is None or seq.is_finished:
                 continue
-            is_drafting = bool(output.sampled_token_ids[i])
+            is_drafting = bool(output.sampled_token_ids[i]) and may_draft
             requests.append(DraftRequest(
                 r.request_id, r.params, seq.prompt_token_ids, seq.output_token_ids, r.num_computed_tokens,
                 seq.num_computed_tokens, i, r.block_ids, r.first_state_slot, is_drafting,

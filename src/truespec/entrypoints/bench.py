@@ -14,6 +14,7 @@ table comes last; ``--json`` writes every number.
 """
 
 import argparse
+import gc
 import json
 import os
 import platform
@@ -56,6 +57,9 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kind", choices=PROMPT_KINDS, default=None, help="only --prompts-file rows of this kind")
     parser.add_argument("--speculative-config", type=_json_arg, default=None,
                         help='as JSON: \'{"method": "ngram", "num_speculative_tokens": 4}\'')
+    parser.add_argument("--compare-no-spec", action="store_true",
+                        help="also run the same batches without speculation (a second engine, after the first) and "
+                             "print both side by side")
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     parser.add_argument("--cudagraph-mode", choices=CUDAGRAPH_MODES, default=None)
     parser.add_argument("--num-iters", type=_at_least(1), default=1, help="timed generate calls per batch size")
@@ -65,15 +69,33 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.compare_no_spec and args.speculative_config is None:
+        raise ValueError("--compare-no-spec needs --speculative-config (the configuration to compare)")
     file_prompts = None if args.prompts_file is None else load_file_prompts(args.prompts_file, args.kind)
-    llm = LLM(**engine_kwargs(args))
-    rows = [bench_batch(llm, batch_prompts(llm, args, n, file_prompts), args) for n in args.batch_sizes]
-    print(format_table(rows, llm.llm_engine.config.speculative_config is not None))  # first: the JSON may fail
+    rows, device = run_engine(args, engine_kwargs(args), file_prompts)
+    print(format_table(rows, args.speculative_config is not None))  # first: the JSON may fail
+    report = {"device": device, "torch": torch.__version__, "args": _jsonable(vars(args)), "results": rows}
+    if args.compare_no_spec:
+        report["no_spec_results"], _ = run_engine(args, engine_kwargs(args) | {"speculative_config": None},
+                                                  file_prompts)
+        print("\nwithout speculation:\n" + format_table(report["no_spec_results"], False))
+        print("\n" + format_comparison(rows, report["no_spec_results"]))
     if args.json is not None:
-        report = {"device": device_name(llm.llm_engine.device), "torch": torch.__version__,
-                  "args": _jsonable(vars(args)), "results": rows}
         args.json.write_text(json.dumps(report, indent=2) + "\n")
     return 0
+
+
+def run_engine(args: argparse.Namespace, kwargs: dict[str, object],
+               file_prompts: list[dict] | None) -> tuple[list[dict], str]:
+    """One engine's rows for every batch size, and its device's name; the engine is gone when this returns."""
+    llm = LLM(**kwargs)
+    rows = [bench_batch(llm, batch_prompts(llm, args, n, file_prompts), args) for n in args.batch_sizes]
+    device = device_name(llm.llm_engine.device)
+    del llm
+    gc.collect()  # its KV pool, before another engine takes the device
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return rows, device
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
@@ -177,6 +199,16 @@ def format_table(rows: list[dict], is_speculative: bool) -> str:
             m = r["mean_acceptance_length"]
             line += f" {m:.2f} |" if m is not None else " - |"
         lines.append(line)
+    return "\n".join(lines)
+
+
+def format_comparison(spec: list[dict], none: list[dict]) -> str:
+    lines = ["| batch | output tok/s, spec | output tok/s, none | speedup | TPOT ms, spec | TPOT ms, none |",
+             "|---:|---:|---:|---:|---:|---:|"]
+    for s, n in zip(spec, none, strict=True):
+        tpots = [f"{r['tpot_ms']:.2f}" if r["tpot_ms"] is not None else "-" for r in (s, n)]
+        lines.append(f"| {s['batch_size']} | {s['output_tok_per_s']:.1f} | {n['output_tok_per_s']:.1f} | "
+                     f"{s['output_tok_per_s'] / n['output_tok_per_s']:.2f}x | {tpots[0]} | {tpots[1]} |")
     return "\n".join(lines)
 
 

@@ -11,10 +11,16 @@ class SpecDecodeMetrics:
     num_accepted_tokens: int = 0
     num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
     num_draft_tokens_per_pos: list[int] = field(default_factory=list)  # drafts that reached each position
+    num_steps: int = 0  # engine steps run
+    num_steps_without_drafts: int = 0  # of them, steps in which no request verified a draft
 
     def __post_init__(self) -> None:
         self.num_accepted_tokens_per_pos = [0] * self.num_speculative_tokens
         self.num_draft_tokens_per_pos = [0] * self.num_speculative_tokens
+
+    def observe_step(self, has_drafts: bool) -> None:
+        self.num_steps += 1
+        self.num_steps_without_drafts += not has_drafts
 
     def observe(self, num_draft_tokens: int, num_accepted: int) -> None:
         """One verified request: ``num_draft_tokens`` drafts, the first ``num_accepted`` accepted."""
@@ -39,5 +45,7 @@ class SpecDecodeMetrics:
             "num_accepted_tokens": self.num_accepted_tokens,
             "num_accepted_tokens_per_pos": list(self.num_accepted_tokens_per_pos),
             "num_draft_tokens_per_pos": list(self.num_draft_tokens_per_pos),
+            "num_steps": self.num_steps,
+            "num_steps_without_drafts": self.num_steps_without_drafts,
             "mean_acceptance_length": self.mean_acceptance_length,
         }
