@@ -100,12 +100,11 @@ class Scheduler:
         """Allocate the blocks for ``num_tokens`` positions and describe the step's work for the runner."""
         request_id, start = seq.request_id, seq.num_computed_tokens
         block_ids = self.kv.allocate(request_id, num_tokens)
-        output_len = len(seq.output_token_ids)
         token_ids = token_slice(seq.prompt_token_ids, seq.output_token_ids, start, start + n) + drafts
         return ScheduledRequest(  # positional, in field order: this runs for every request of every step
             request_id, seq.params, start, n + len(drafts), token_ids, drafts, seq.draft_probs if drafts else None,
-            block_ids, self.kv.first_state_slot(request_id), seq.state_index, output_len,
-            start + n == seq.prompt_len + output_len)
+            block_ids, self.kv.first_state_slot(request_id), seq.state_index, len(seq.output_token_ids),
+            start + n == seq.num_tokens)
 
     def _make_room(self, seq: Sequence, num_tokens: int, out: SchedulerOutput) -> bool:
         while not self.kv.can_allocate(seq.request_id, num_tokens):

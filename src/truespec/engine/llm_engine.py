@@ -164,7 +164,7 @@ class LLMEngine:
             if provisional:
                 seq.output_token_ids.pop()
             else:
-                seq.advance(r.num_scheduled_tokens - len(r.draft_token_ids), num_accepted)
+                seq.advance(r.num_new_tokens, num_accepted)
             if not tokens:  # a prefill chunk that is not the request's last
                 continue
             if seq.draft_token_ids:  # used up by this step (or cut to what the request may still emit)

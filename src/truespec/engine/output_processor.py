@@ -45,10 +45,9 @@ class OutputProcessor:
 
     def make_output(self, seq: Sequence) -> RequestOutput | None:
         """The request's output after this step, as its ``output_kind`` asks (None: nothing to hand out)."""
-        kind = seq.params.output_kind
-        if kind is RequestOutputKind.FINAL_ONLY and not seq.is_finished:
+        if not self.wants_output(seq):
             return None
-        if kind is RequestOutputKind.DELTA:
+        if seq.params.output_kind is RequestOutputKind.DELTA:
             first = self._num_sent.get(seq.request_id, 0)
             self._num_sent[seq.request_id] = len(seq.output_token_ids)
             text = self._text_delta(seq)

@@ -33,9 +33,9 @@ class KVCacheManager:
 
     def allocate(self, request_id: str, num_tokens: int) -> list[int]:
         """Grow the request's block table to cover ``num_tokens`` positions; the table."""
+        needed = self.num_blocks_needed(request_id, num_tokens)
         table = self._block_tables.setdefault(request_id, [])
-        needed = -(-num_tokens // self.block_size) - len(table)
-        if needed > 0:
+        if needed:
             table.extend(self.blocks.allocate(needed))
         return table
 

@@ -159,11 +159,11 @@ class ModelRunner:
         positions: list[int] = []
         rows = []
         for r in scheduled:
-            start, query_len, num_drafts = r.num_computed_tokens, r.num_scheduled_tokens, len(r.draft_token_ids)
+            start, query_len = r.num_computed_tokens, r.num_scheduled_tokens
             input_ids += r.token_ids
             positions += range(start, start + query_len)
             rows.append(ContextRow(r.block_ids, start, query_len, r.state_src, r.first_state_slot,
-                                   query_len - num_drafts - 1, 1 + num_drafts if r.is_last_chunk else 0))
+                                   r.num_new_tokens - 1, r.num_logits))
         return rows, input_ids, positions
 
     def _generator(self, request_id: str, params: SamplingParams) -> torch.Generator:
