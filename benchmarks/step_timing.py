@@ -74,10 +74,13 @@ def main() -> None:
     parser.add_argument("--input-len", type=int, default=512)
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=True)
     args = parser.parse_args()
-    llm = LLM(args.model, dtype=args.dtype, device="cuda", max_model_len=4096, max_num_seqs=max(args.batch_sizes))
+    llm = LLM(args.model, dtype=args.dtype, device="cuda", max_model_len=4096, max_num_seqs=max(args.batch_sizes),
+              batch_invariant=args.batch_invariant)
     rows = [(bs, measure(llm, bs, args.input_len, args.steps)) for bs in args.batch_sizes]
-    print(f"\n{torch.cuda.get_device_name()}, decode steps after a {args.input_len}-token prompt, CUDA graphs")
+    print(f"\n{torch.cuda.get_device_name()}, decode steps after a {args.input_len}-token prompt, CUDA graphs, "
+          f"batch_invariant={args.batch_invariant}")
     print("| BS | graph replay alone (ms) | wall per step, sync (ms) | wall per step, async (ms) "
           "| host not overlapped, sync / async (ms) | output tok/s, async |")
     print("|---:|---:|---:|---:|---:|---:|")

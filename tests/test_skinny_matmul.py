@@ -1,10 +1,10 @@
-"""The skinny matmul (kernels/skinny_matmul.py, one-row projections on CUDA) against its torch reference, on
-ragged shapes (row, column and reduction counts that are not multiples of the blocks), strided rows, with and
-without bias; a row's result is bitwise the same alone or among other rows; ``layers.linear.linear`` sends only
-one-row 16-bit steps to it. With act(gate) * up fused into its input (a gated MLP's down projection) it is
-bitwise the two launches it replaces (act_mul, then skinny_matmul), and ``GatedMLP`` fuses only where those two
-launches would run. Without CUDA the kernel runs in Triton's interpreter on small shapes; ``@pytest.mark.gpu``
-reruns it at the Qwen3.5-0.8B projection shapes."""
+"""The skinny matmul (kernels/skinny_matmul.py, one-row projections on CUDA when ``batch_invariant=False``)
+against its torch reference, on ragged shapes (row, column and reduction counts that are not multiples of the
+blocks), strided rows, with and without bias; a row's result is bitwise the same alone or among other rows; with
+``batch_invariant=False`` ``layers.linear.linear`` sends only one-row 16-bit steps to it. With act(gate) * up
+fused into its input (a gated MLP's down projection) it is bitwise the two launches it replaces (act_mul, then
+skinny_matmul), and ``GatedMLP`` fuses only where those two launches would run. Without CUDA the kernel runs in
+Triton's interpreter on small shapes; ``@pytest.mark.gpu`` reruns it at the Qwen3.5-0.8B projection shapes."""
 
 import os
 from collections.abc import Callable
@@ -19,7 +19,7 @@ triton = pytest.importorskip("triton")
 
 import truespec.layers.activation as activation_mod  # noqa: E402
 import truespec.layers.linear as linear_mod  # noqa: E402
-from truespec.kernels import act_mul, skinny_matmul, skinny_matmul_ref  # noqa: E402
+from truespec.kernels import act_mul, linear_ref, skinny_matmul  # noqa: E402
 from truespec.kernels.triton_utils import is_interpreter  # noqa: E402
 from truespec.layers.mlp import GatedMLP  # noqa: E402
 from truespec.ops.activation import act_mul_ref  # noqa: E402
@@ -38,7 +38,7 @@ def check(m: int, n: int, k: int, dtype: torch.dtype, bias: bool, row_stride: in
     w = (torch.randn(n, k, generator=g, device=DEVICE) / k**0.5).to(dtype)
     b = torch.randn(n, generator=g, device=DEVICE).to(dtype) if bias else None
     y = skinny_matmul(x, w, b, **blocks)
-    ref = skinny_matmul_ref(x, w, b)
+    ref = linear_ref(x, w, b)
     assert y.shape == (m, n) and y.dtype == dtype
     err = ((y.double() - ref.double()).norm() / ref.double().norm()).item()
     assert err < BOUND[dtype], (m, n, k, dtype, err)
@@ -53,16 +53,20 @@ def test_skinny_matmul_matches_reference(m: int, n: int, k: int, dtype: torch.dt
 
 
 def test_linear_sends_only_one_row_16bit_steps_to_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Off the batch-invariant path (``batch_invariant=False``): the earlier dispatch."""
     monkeypatch.setattr(linear_mod, "use_kernels", lambda t: True)  # as on CUDA with the triton backend
     calls = []
     monkeypatch.setattr(linear_mod.kernels(), "skinny_matmul", lambda *a: calls.append(a) or skinny_matmul(*a))
     w = torch.randn(24, 40, device=DEVICE).to(torch.bfloat16)
     one, two = (torch.randn(n, 40, device=DEVICE).to(torch.bfloat16) for n in (1, 2))
-    assert torch.equal(linear_mod.linear(one, w), skinny_matmul(one, w)) and len(calls) == 1
-    assert torch.equal(linear_mod.linear(two, w), torch.nn.functional.linear(two, w)) and len(calls) == 1
+    assert torch.equal(linear_mod.linear(one, w, batch_invariant=False), skinny_matmul(one, w)) and len(calls) == 1
+    assert torch.equal(linear_mod.linear(two, w, batch_invariant=False), torch.nn.functional.linear(two, w))
+    assert len(calls) == 1
     one32, w32 = one.float(), w.float()  # fp32 / fp64 models keep torch (exactness tests run them)
-    assert torch.equal(linear_mod.linear(one32, w32), torch.nn.functional.linear(one32, w32)) and len(calls) == 1
+    assert torch.equal(linear_mod.linear(one32, w32, batch_invariant=False), torch.nn.functional.linear(one32, w32))
+    assert len(calls) == 1
     layer = linear_mod.Linear(40, 24, bias=True).to(device=DEVICE, dtype=torch.bfloat16)
+    linear_mod.set_batch_invariant(layer, False)
     assert torch.equal(layer(one), skinny_matmul(one, layer.weight, layer.bias)) and len(calls) == 2
 
 
@@ -76,8 +80,8 @@ def fused_ref(gate_up: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, ac
     toward zero (numpy has no bf16), so there a bf16 act_mul output sits up to an ulp below torch's
     (tests/test_fused_kernels.py bounds that): the sums then start from the act_mul kernel's output."""
     if is_interpreter() and gate_up.dtype == torch.bfloat16:
-        return skinny_matmul_ref(act_mul(*gate_up.chunk(2, dim=-1), act), w, b)
-    return skinny_matmul_ref(gate_up, w, b, input_act=act)
+        return linear_ref(act_mul(*gate_up.chunk(2, dim=-1), act), w, b)
+    return linear_ref(gate_up, w, b, input_act=act)
 
 
 def check_fused(m: int, n: int, k: int, dtype: torch.dtype, act: str, bias: bool, row_stride: int | None = None,
@@ -128,6 +132,7 @@ def two_step_mlp(mlp: GatedMLP, x: torch.Tensor, matmul: Callable, act_mul_fn: C
 
 
 def test_gated_mlp_fuses_act_mul_only_into_one_row_16bit_kernel_steps(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Off the batch-invariant path (``batch_invariant=False``): the earlier dispatch."""
     torch.manual_seed(0)
     x64 = torch.randn(1, 40, dtype=torch.float64)  # the CPU float64 path (exactness tests): torch, as before
     mlp64 = GatedMLP(40, 70, "silu", bias=True).to(torch.float64)
@@ -147,6 +152,7 @@ def test_gated_mlp_fuses_act_mul_only_into_one_row_16bit_kernel_steps(monkeypatc
         skinny_calls.clear()
         act_mul_calls.clear()
         mlp = GatedMLP(40, 70, act, bias=rows == 1).to(device=DEVICE, dtype=dtype)
+        linear_mod.set_batch_invariant(mlp, False)
         x = torch.randn(rows, 40, device=DEVICE).to(dtype)
         y = mlp(x)
         assert skinny_calls == skinny_acts and len(act_mul_calls) == num_act_mul, (kernels_on, dtype, rows, act)
@@ -173,5 +179,6 @@ def test_gpu_fused_mlp_down_projection_is_bitwise_at_qwen3_5_size(dtype: torch.d
         check_fused(m, 1024, 3584, dtype, "silu", bias=False, row_stride=2 * 3584 + 64)
     torch.manual_seed(0)
     mlp = GatedMLP(1024, 3584, "silu").to(device=DEVICE, dtype=dtype)
+    linear_mod.set_batch_invariant(mlp, False)
     x = torch.randn(1, 1024, device=DEVICE).to(dtype)
     assert torch.equal(bits(mlp(x)), bits(two_step_mlp(mlp, x, skinny_matmul, act_mul)))

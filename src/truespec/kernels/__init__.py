@@ -16,12 +16,13 @@ from truespec.kernels.paged_attention import paged_attention
 from truespec.kernels.qk_norm_rope import qk_norm_rope
 from truespec.kernels.reshape_and_cache import reshape_and_cache
 from truespec.kernels.rms_norm import rms_norm
+from truespec.kernels.row_invariant_matmul import row_invariant_matmul
 from truespec.kernels.skinny_matmul import skinny_matmul
 from truespec.ops.activation import act_mul_ref
 from truespec.ops.attention import paged_attention_ref, reshape_and_cache_ref
 from truespec.ops.conv import causal_conv1d_ref
 from truespec.ops.gdn import GateInputs, gdn_gating_ref, gdn_recurrent_ref
-from truespec.ops.linear import skinny_matmul_ref
+from truespec.ops.linear import linear_ref
 from truespec.ops.norm import add_rms_norm_ref, rms_norm_ref
 from truespec.ops.rotary import qk_norm_rope_ref
 
@@ -46,6 +47,7 @@ __all__ = [
     "gdn_gating_ref",
     "qk_norm_rope",
     "qk_norm_rope_ref",
+    "row_invariant_matmul",
     "skinny_matmul",
-    "skinny_matmul_ref",
+    "linear_ref",
 ]

@@ -1,14 +1,17 @@
-"""Linear projections: ``Linear`` (one-row steps through the skinny matrix-vector kernel on CUDA) and merged
-projections: several linear layers that read the same input run as one GEMM (one kernel launch).
+"""Linear projections: ``linear`` / ``Linear`` (batch-invariant on CUDA) and merged projections: several linear
+layers that read the same input run as one GEMM (one kernel launch).
 
-``linear(x, weight, bias)`` is ``F.linear`` except for a single-row 16-bit step on CUDA (a batch-size-1 decode),
-which runs ``kernels/skinny_matmul.py``: it streams the weight at ~2.7 TB/s on an H100 where cuBLAS reaches
-~1.9 (BENCHMARKS.md). Steps of two or more rows keep cuBLAS, which is faster there.
+``linear(x, weight, bias)`` is ``F.linear``, except on CUDA for bf16 / fp16 / fp32, where it runs
+``kernels/row_invariant_matmul.py``: each row's result is bitwise the same whatever else shares the step (a
+decode row alone, inside a verify of 1 + k rows, among other requests, beside a prefill chunk), so speculation
+cannot change a token by rounding (docs/ARCHITECTURE.md, invariant 4). ``batch_invariant=False`` (the engine's
+``batch_invariant`` setting, through ``set_batch_invariant``) keeps the earlier path instead: one-row 16-bit
+steps through the skinny matrix-vector kernel (kernels/skinny_matmul.py), everything else through cuBLAS, which
+picks its algorithm by row count. CPU and fp64 keep torch.
 
 ``linear(gate_up, weight, bias, input_act=act)`` is ``linear(act_and_mul(gate_up, act), weight, bias)``, the
-down projection of a gated MLP: on such a one-row step (activations the act_mul kernel has) it is one skinny
-launch that computes act(gate) * up while it reads the row, bitwise equal to the two launches; elsewhere it
-is those two steps.
+down projection of a gated MLP: where the kernels run, act(gate) * up is computed as the input is loaded (one
+launch, bitwise the two steps); elsewhere it is those two steps.
 
 ``MergedLinear`` is an ``nn.Linear`` whose weight rows are the row-concatenation of the checkpoint's
 projections, in order: e.g. ``gate_up_proj.weight = cat([gate_proj.weight, up_proj.weight])``, so its
@@ -33,18 +36,27 @@ from truespec.layers.backend import kernels, use_kernels
 
 _SUFFIXES = ("weight", "bias")
 _SKINNY_DTYPES = (torch.bfloat16, torch.float16)
+_INVARIANT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-def linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, input_act: str | None = None
-) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, input_act: str | None = None,
+           batch_invariant: bool = True) -> torch.Tensor:
     """``x @ weight.T + bias`` for ``x`` [T, in_features]. With ``input_act``, ``x`` is a merged gate/up output
     [T, 2 * in_features] and the input is ``act_and_mul(x, input_act)`` (a gated MLP's down projection)."""
+    if batch_invariant and _is_invariant(x, weight):
+        if input_act is not None and not can_use_act_mul_kernel(*x.chunk(2, dim=-1), input_act):
+            x, input_act = act_and_mul(x, input_act), None
+        return kernels().row_invariant_matmul(x, weight, bias, input_act=input_act)
     if input_act is not None:
         return _act_and_linear(x, weight, bias, input_act)
     if _is_skinny(x, weight):
         return kernels().skinny_matmul(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+def _is_invariant(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Rows on CUDA in a dtype the row-invariant kernel takes."""
+    return x.dim() == 2 and x.dtype in _INVARIANT_DTYPES and weight.dtype == x.dtype and use_kernels(x)
 
 
 def _is_skinny(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -53,18 +65,28 @@ def _is_skinny(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def _act_and_linear(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, act: str) -> torch.Tensor:
-    """``linear(act_and_mul(gate_up, act), weight, bias)``. Where those two steps would be the act_mul kernel
-    and the skinny kernel, one skinny launch computes act(gate) * up as it reads the row (bitwise the same)."""
+    """``linear(act_and_mul(gate_up, act), weight, bias)`` off the invariant path. Where those two steps would be
+    the act_mul kernel and the skinny kernel, one skinny launch computes act(gate) * up as it reads the row."""
     if _is_skinny(gate_up, weight) and can_use_act_mul_kernel(*gate_up.chunk(2, dim=-1), act):
         return kernels().skinny_matmul(gate_up, weight, bias, input_act=act)
-    return linear(act_and_mul(gate_up, act), weight, bias)
+    return linear(act_and_mul(gate_up, act), weight, bias, batch_invariant=False)
+
+
+def set_batch_invariant(module: nn.Module, enabled: bool) -> None:
+    """Route every ``Linear`` in ``module`` (and the logits of a model with ``batch_invariant``) through the
+    row-invariant kernel (True) or the earlier skinny / cuBLAS path (False)."""
+    for m in module.modules():
+        if isinstance(m, Linear) or hasattr(m, "batch_invariant"):
+            m.batch_invariant = enabled
 
 
 class Linear(nn.Linear):
     """``nn.Linear`` whose forward is ``linear`` (same parameters and state dict)."""
 
+    batch_invariant = True  # set_batch_invariant changes it per module
+
     def forward(self, x: torch.Tensor, input_act: str | None = None) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, input_act)
+        return linear(x, self.weight, self.bias, input_act, self.batch_invariant)
 
 
 class MergedLinear(Linear):

@@ -65,6 +65,7 @@ class CausalLM(nn.Module):
 
     model: nn.Module
     lm_head: nn.Linear | None
+    batch_invariant = True  # the logits' projection (layers/linear.py set_batch_invariant)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         # input_ids, positions: [T] int64 -> hidden [T, hidden_size] after the final norm.
@@ -81,7 +82,7 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [N, hidden_size] -> logits [N, vocab_size] in the model dtype (tied: the embedding matrix).
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return linear(hidden, weight)
+        return linear(hidden, weight, batch_invariant=self.batch_invariant)
 
     def attention_layers(self) -> list[PagedAttention]:
         return [m for m in self.modules() if isinstance(m, PagedAttention)]

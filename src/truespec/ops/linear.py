@@ -1,4 +1,5 @@
-"""``y = x @ weight.T (+ bias)`` with fp32 sums (fp64 for fp64): the reference of kernels/skinny_matmul.py."""
+"""``y = x @ weight.T (+ bias)`` with fp32 sums (fp64 for fp64): the reference of kernels/skinny_matmul.py and
+kernels/row_invariant_matmul.py."""
 
 import torch
 
@@ -6,7 +7,7 @@ from truespec.ops.activation import act_mul_ref
 from truespec.ops.precision import compute_dtype
 
 
-def skinny_matmul_ref(
+def linear_ref(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, input_act: str | None = None
 ) -> torch.Tensor:
     """Products and sums in the compute dtype, rounded once to x's dtype; with ``input_act``, x is a merged
