@@ -84,3 +84,32 @@ def test_speculative_keys_each_method_takes_are_accepted(config: dict) -> None:
 def test_empty_drafter_model_is_rejected() -> None:
     with pytest.raises(ValueError, match="speculative_config.model"):
         SpeculativeConfig.from_dict({"method": "draft_model", "num_speculative_tokens": 2, "model": ""})
+
+
+@pytest.mark.parametrize("value", ["yes", 1, None])
+def test_batch_invariant_must_be_a_bool(value: object) -> None:
+    with pytest.raises(ValueError, match="batch_invariant"):
+        EngineConfig(model="some/dir", batch_invariant=value)
+
+
+def test_cli_batch_invariant_flag_reaches_the_engine_kwargs() -> None:
+    import argparse
+
+    from truespec.entrypoints.cli import add_engine_args, engine_kwargs
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert engine_kwargs(parser.parse_args([]))["batch_invariant"] is True
+    assert engine_kwargs(parser.parse_args(["--no-batch-invariant"]))["batch_invariant"] is False
+
+
+def test_batch_invariant_false_reaches_every_projection_of_target_and_drafter() -> None:
+    from truespec.layers.linear import Linear
+
+    llm = LLM(device="cpu", dtype="float32", max_model_len=256, max_num_seqs=2, batch_invariant=False,
+              speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+    engine = llm.llm_engine
+    target = engine.loaded.model
+    modules = list(target.modules()) + list(engine.proposer.head.modules())
+    linears = [m for m in modules if isinstance(m, Linear)]
+    assert linears and not any(m.batch_invariant for m in linears) and not target.batch_invariant

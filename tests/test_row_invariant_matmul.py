@@ -153,7 +153,7 @@ def test_set_batch_invariant_switches_every_linear_and_the_logits() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_gpu_rows_are_bitwise_invariant_at_qwen3_5_size(dtype: torch.dtype) -> None:
     """Every projection shape of the 0.8B model: prefixes 1..64 (decode / verify steps), 65..600 (verify batches
     and prefill chunks, both tile paths), single rows, and the fused MLP input; near the fp32 reference."""

@@ -6,23 +6,12 @@ from pathlib import Path
 
 import pytest
 
-from helpers.engine import BATCH_LENGTHS, random_prompts
+from helpers.engine import BATCH_LENGTHS, random_prompts, spec_config
 from truespec import LLM, SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
 SHAPES = {"single": {}, "mixed": {"max_num_batched_tokens": 8},
           "preempting": {"num_gpu_blocks_override": 28, "max_num_batched_tokens": 48}}
-
-
-def spec_config(method: str, k: int, models: dict[str, Path], target: Path) -> dict:
-    config = {"method": method, "num_speculative_tokens": k}
-    if method == "ngram":
-        config.update(prompt_lookup_min=1, prompt_lookup_max=3)
-    elif method == "draft_model":
-        config["model"] = str(models["draft"])
-    elif method == "eagle":
-        config["model"] = str(models["eagle"])
-    return config
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +43,7 @@ def setup(setups: dict[str, dict]) -> dict:
 def test_speculative_method_is_lossless(setups: dict, method: str, target: str, k: int, shape: str) -> None:
     setup = setups[target]
     llm = LLM(str(setup["target"]), dtype="float64", device="cpu", max_model_len=400,
-              speculative_config=spec_config(method, k, setup["models"], setup["target"]), **SHAPES[shape])
+              speculative_config=spec_config(method, k, setup["models"]), **SHAPES[shape])
     prompts, ref = (setup["prompts"][5:6], setup["ref"][5:6]) if shape == "single" else (setup["prompts"], setup["ref"])
     out = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
     assert out == ref
@@ -72,7 +61,7 @@ def test_disable_by_batch_size_drafts_only_in_small_batches(setup: dict, method:
     """vLLM's disable_by_batch_size: no drafts while 4 or more requests run, drafting again below that. The
     drafter keeps catching up meanwhile: with the target as its own draft model every draft is accepted, which
     fails if a catch-up-only step left its KV or recurrent state behind."""
-    config = spec_config(method, 3, setup["models"], setup["target"]) | {"disable_by_batch_size": 4}
+    config = spec_config(method, 3, setup["models"]) | {"disable_by_batch_size": 4}
     if method == "draft_model":
         config["model"] = str(setup["target"])
     llm = LLM(str(setup["target"]), dtype="float64", device="cpu", max_model_len=400, max_num_batched_tokens=16,
@@ -89,7 +78,7 @@ def test_seeded_random_sampling_with_a_draft_model_is_batch_invariant(setup: dic
     params = [SamplingParams(temperature=0.8, top_p=0.95, seed=40 + i, max_tokens=16, ignore_eos=True)
               for i in range(len(setup["prompts"]))]
     llm = LLM(str(setup["target"]), dtype="float64", device="cpu", max_model_len=400, max_num_batched_tokens=16,
-              speculative_config=spec_config("draft_model", 3, setup["models"], setup["target"]))
+              speculative_config=spec_config("draft_model", 3, setup["models"]))
     together = [o.outputs[0].token_ids for o in llm.generate(setup["prompts"], params, use_tqdm=False)]
     solo = [llm.generate([p], sp, use_tqdm=False)[0].outputs[0].token_ids
             for p, sp in zip(setup["prompts"], params, strict=True)]
@@ -178,8 +167,9 @@ def test_head_drafts_equal_a_one_shot_reference(setup: dict, method: str) -> Non
     from truespec.forward_context import set_forward_context
     from truespec.worker.input_builder import ContextRow, build_forward_context
 
+    # "fixed": a draft after every step (the adaptive length would stop drafting for these random heads)
     llm = LLM(str(setup["target"]), dtype="float64", device="cpu", max_model_len=400, max_num_batched_tokens=8,
-              speculative_config=spec_config(method, 3, setup["models"], setup["target"]))
+              speculative_config=spec_config(method, 3, setup["models"]) | {"draft_length": "fixed"})
     engine = llm.llm_engine
     recorder = DraftRecorder(engine.proposer)
     engine.proposer = recorder

@@ -31,6 +31,10 @@ class EngineConfig:
     # vLLM's async scheduling: prepare step N+1 on the host while step N runs on the device (greedy decode
     # steps without speculation; engine/llm_engine.py). None: on for CUDA devices, off on CPU.
     async_scheduling: bool | None = None
+    # every projection (and the logits) through the row-invariant kernel on CUDA: a row's bits do not depend on
+    # the rest of its step, so speculation and batching never change a token (layers/linear.py). False: the
+    # one-row skinny kernel / cuBLAS path, faster for long prefill chunks but not batch invariant in 16-bit.
+    batch_invariant: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "speculative_config", SpeculativeConfig.from_dict(self.speculative_config))
@@ -39,6 +43,8 @@ class EngineConfig:
         check(isinstance(self.skip_tokenizer_init, bool), "skip_tokenizer_init",
               f"must be a bool, got {self.skip_tokenizer_init!r}")
         check(isinstance(self.enforce_eager, bool), "enforce_eager", f"must be a bool, got {self.enforce_eager!r}")
+        check(isinstance(self.batch_invariant, bool), "batch_invariant",
+              f"must be a bool, got {self.batch_invariant!r}")
         check(self.async_scheduling is None or isinstance(self.async_scheduling, bool), "async_scheduling",
               f"must be a bool or None, got {self.async_scheduling!r}")
         check(is_path(self.model), "model", f"must be a directory path, got {self.model!r}")
@@ -103,6 +109,13 @@ SPEC_METHODS = ("ngram", "draft_model", "mtp", "eagle")
 METHOD_KEYS = {"ngram": ("prompt_lookup_min", "prompt_lookup_max"), "draft_model": ("model", "enforce_eager"),
                "eagle": ("model", "enforce_eager"), "mtp": ("enforce_eager",)}
 MAX_SPECULATIVE_TOKENS = 64
+DRAFT_LENGTHS = ("adaptive", "fixed")
+# "adaptive" drafts position i only while the chance that positions 1..i are all accepted is at least this: the
+# cost of drafting one more position, in target steps (spec_decode/draft_length.py). ngram drafts are free to make,
+# so a position costs only its query row in the verify (a few % of a memory-bound decode step). A model drafter
+# adds a forward for each position after the first and an lm_head for every one, ~10-35% of a target step (an
+# EAGLE layer on a large target at the low end, MTP on Qwen3.5-0.8B with its 248k-token lm_head at the high end).
+DEFAULT_MIN_DRAFT_ACCEPTANCE = {"ngram": 0.1, "draft_model": 0.2, "mtp": 0.2, "eagle": 0.2}
 
 
 @dataclass(frozen=True)
@@ -117,6 +130,11 @@ class SpeculativeConfig:
     enforce_eager: bool | None = None  # True: the drafter runs without CUDA graphs (None: the target's mode)
     # vLLM's key: no drafts in a step after which this many requests or more are running (None: always draft)
     disable_by_batch_size: int | None = None
+    # drafts per request and step: "adaptive" (as many as pay for themselves, per request, 0 to k) or "fixed"
+    # (always up to num_speculative_tokens)
+    draft_length: str = "adaptive"
+    # adaptive: least chance that a drafted position is accepted with all before it (None: the method's default)
+    min_draft_acceptance: float | None = None
 
     def __post_init__(self) -> None:
         check(self.method in SPEC_METHODS, "speculative_config.method",
@@ -134,6 +152,7 @@ class SpeculativeConfig:
               f"must be a bool, got {self.enforce_eager!r}")
         check(self.disable_by_batch_size is None or is_pos_int(self.disable_by_batch_size),
               "speculative_config.disable_by_batch_size", f"must be a positive int, got {self.disable_by_batch_size!r}")
+        self._check_draft_length()
         needs_model = self.method in ("draft_model", "eagle")
         check(not needs_model or is_path(self.model), "speculative_config.model",
               f"is required for method {self.method!r} (the drafter's directory), got {self.model!r}")
@@ -145,6 +164,19 @@ class SpeculativeConfig:
             check(is_pos_int(lo) and is_pos_int(hi) and lo <= hi, "speculative_config.prompt_lookup_min",
                    f"and prompt_lookup_max must satisfy 1 <= min <= max, got {lo!r}, {hi!r}")
 
+    def _check_draft_length(self) -> None:
+        check(self.draft_length in DRAFT_LENGTHS, "speculative_config.draft_length",
+              f"must be one of {DRAFT_LENGTHS}, got {self.draft_length!r}")
+        value = self.min_draft_acceptance
+        if self.draft_length == "fixed":
+            check(value is None, "speculative_config.min_draft_acceptance",
+                  f"is not used with draft_length 'fixed'; leave it out, got {value!r}")
+            return
+        check(value is None or is_finite(value) and 0 < value < 1, "speculative_config.min_draft_acceptance",
+              f"must be a number in (0, 1), got {value!r}")
+        if value is None:
+            object.__setattr__(self, "min_draft_acceptance", DEFAULT_MIN_DRAFT_ACCEPTANCE[self.method])
+
     @classmethod
     def from_dict(cls, d: "dict | SpeculativeConfig | None") -> "SpeculativeConfig | None":
         if d is None or isinstance(d, SpeculativeConfig):
@@ -152,7 +184,7 @@ class SpeculativeConfig:
         if not isinstance(d, dict):
             raise ValueError(f"speculative_config must be a dict, got {type(d).__name__}")
         known = {"method", "num_speculative_tokens", "model", "prompt_lookup_min", "prompt_lookup_max",
-                 "enforce_eager", "disable_by_batch_size"}
+                 "enforce_eager", "disable_by_batch_size", "draft_length", "min_draft_acceptance"}
         unknown = sorted(set(d) - known)
         check(not unknown, "speculative_config", f"has unknown keys {unknown}; known: {sorted(known)}")
         check("method" in d and "num_speculative_tokens" in d, "speculative_config",

@@ -1,5 +1,6 @@
 """Helpers for engine-level tests: seeded random prompts, greedy generation through ``LLM``, an n-gram
-speculative ``LLM``, and a proposer that drafts a known reference continuation."""
+speculative ``LLM``, speculative configs for the tiny drafters, and a proposer that drafts a known reference
+continuation."""
 
 import random
 from pathlib import Path
@@ -12,6 +13,18 @@ from truespec.worker.runner_output import ModelRunnerOutput
 
 # Prompt lengths from a single token to several prefill chunks (the engine tests' max_model_len is 400).
 BATCH_LENGTHS = [1, 2, 5, 17, 40, 64, 129, 200, 300]
+
+
+def spec_config(method: str, k: int, models: dict[str, Path], **kw: object) -> dict:
+    """A speculative config for the tiny test drafters: ``models`` names the "draft" model and "eagle" head dirs."""
+    config = {"method": method, "num_speculative_tokens": k, **kw}
+    if method == "ngram":
+        config.update(prompt_lookup_min=1, prompt_lookup_max=3)
+    elif method == "draft_model":
+        config["model"] = str(models["draft"])
+    elif method == "eagle":
+        config["model"] = str(models["eagle"])
+    return config
 
 
 def random_prompts(lengths: list[int], seed: int = 0, vocab: int = 300) -> list[dict]:

@@ -17,9 +17,11 @@ from truespec.engine.stop_checker import StopChecker
 from truespec.kv_cache.config import CacheConfig
 from truespec.kv_cache.manager import KVCacheManager
 from truespec.kv_cache.sizing import num_kv_blocks, resolve_max_model_len
+from truespec.layers.linear import set_batch_invariant
 from truespec.models.loader import load_model
 from truespec.outputs import RequestOutput
 from truespec.sampling_params import SamplingParams
+from truespec.spec_decode.draft_length import DraftLengthPolicy
 from truespec.spec_decode.interface import DraftRequest
 from truespec.spec_decode.metrics import SpecDecodeMetrics
 from truespec.spec_decode.proposer import check_speculative_config, load_drafter, make_proposer, num_lookahead_tokens
@@ -39,10 +41,13 @@ class LLMEngine:
         cache = self.cache_config
         self.loaded = loaded = load_model(config.model, config.dtype, self.device)
         self.hf_config, self.dtype = loaded.hf_config, loaded.dtype
+        set_batch_invariant(loaded.model, config.batch_invariant)
         self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(config.tokenizer or config.model)
         self.max_model_len = resolve_max_model_len(config.max_model_len, self.hf_config)
         self.vocab_size = self.hf_config.vocab_size
         drafter = load_drafter(spec, loaded, self.device)  # weights only: the KV pool is sized after it
+        if drafter is not None:
+            set_batch_invariant(drafter, config.batch_invariant)
         self.stop_checker = StopChecker(self.tokenizer, self.hf_config, config.model)
         self.output_processor = OutputProcessor(self.tokenizer, self.stop_checker)
         self.runner = ModelRunner(loaded.model, self.device, self.dtype, config.seed, self.stop_checker.eos_token_ids)
@@ -61,6 +66,7 @@ class LLMEngine:
         self.proposer = make_proposer(spec, drafter, num_blocks, self.kv.num_state_slots, self.device, config.seed,
                                       graphs, self.hf_config.hidden_size)
         self.spec_metrics = SpecDecodeMetrics(k)
+        self.draft_length = DraftLengthPolicy(k, spec.min_draft_acceptance if spec is not None else None)
         self.seqs: dict[str, Sequence] = {}
         self._ids = itertools.count()
         is_async = config.async_scheduling if config.async_scheduling is not None else self.device.type == "cuda"
@@ -172,6 +178,7 @@ class LLMEngine:
             if r.draft_token_ids:
                 has_drafts = True
                 self.spec_metrics.observe(len(r.draft_token_ids), num_accepted)
+                self.draft_length.observe(r.request_id, len(r.draft_token_ids), num_accepted)
             reason = self.output_processor.process(seq, tokens, logprobs, now)
             if reason is not None:  # nothing after the stop leaks out
                 self.scheduler.finish(seq, reason)
@@ -184,23 +191,31 @@ class LLMEngine:
         return updated
 
     def _propose(self, sched: SchedulerOutput, output: ModelRunnerOutput) -> None:
-        """Let the proposer catch up on the step and draft for the requests that got a new token."""
+        """Let the proposer catch up on the step and draft for the requests that got a new token (as many drafts as
+        the draft-length policy expects to pay for; none: the drafters only catch up on that request)."""
         if self.proposer is None:
             return
+        self.draft_length.forget(sched.finished_req_ids)
         requests, limit = [], self.config.speculative_config.disable_by_batch_size
         may_draft = limit is None or len(self.scheduler.running) < limit  # else: the drafters only catch up
         for i, r in enumerate(sched.scheduled):
             seq = self.seqs.get(r.request_id)
             if seq is None or seq.is_finished:
                 continue
-            is_drafting = bool(output.sampled_token_ids[i]) and may_draft
+            num_drafts = self._num_drafts(r.request_id) if output.sampled_token_ids[i] and may_draft else 0
             requests.append(DraftRequest(
                 r.request_id, r.params, seq.prompt_token_ids, seq.output_token_ids, r.num_computed_tokens,
-                seq.num_computed_tokens, i, r.block_ids, r.first_state_slot, is_drafting,
-                self.scheduler.max_drafts(seq) if is_drafting else 0))
+                seq.num_computed_tokens, i, r.block_ids, r.first_state_slot, num_drafts > 0,
+                min(num_drafts, self.scheduler.max_drafts(seq))))
         drafts = self.proposer.propose(requests, output, sched.finished_req_ids)
         for request_id, d in drafts.items():
             self.seqs[request_id].draft_token_ids, self.seqs[request_id].draft_probs = d.token_ids, d.probs
+
+    def _num_drafts(self, request_id: str) -> int:
+        """What the draft-length policy gives the request's next step (0: it only catches up), counted."""
+        num_drafts = self.draft_length.num_drafts(request_id)
+        self.spec_metrics.num_draft_skips += num_drafts == 0
+        return num_drafts
 
     def _restart(self, sched: SchedulerOutput) -> None:
         """After an error in a step: every request of the step (and of a step queued after it) restarts from its

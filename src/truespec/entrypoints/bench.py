@@ -62,6 +62,8 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
                              "print both side by side")
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     parser.add_argument("--cudagraph-mode", choices=CUDAGRAPH_MODES, default=None)
+    parser.add_argument("--no-batch-invariant", dest="batch_invariant", action="store_false",
+                        help="cuBLAS / skinny projections instead of the batch-invariant kernel (to measure its cost)")
     parser.add_argument("--num-iters", type=_at_least(1), default=1, help="timed generate calls per batch size")
     parser.add_argument("--warmup", type=_at_least(0), default=1, help="untimed generate calls per batch size")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random prompt ids")
@@ -105,6 +107,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
                                      speculative_config=args.speculative_config)
     if args.enforce_eager:  # only when asked, so the command runs on engines without the knob
         kwargs["enforce_eager"] = True
+    if not args.batch_invariant:  # only when asked, as enforce_eager
+        kwargs["batch_invariant"] = False
     if args.cudagraph_mode is not None:
         kwargs["compilation_config"] = {"cudagraph_mode": args.cudagraph_mode}
     return kwargs

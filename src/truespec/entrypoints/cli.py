@@ -66,6 +66,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                         help="prepare the next decode step while the device runs this one (default: on for CUDA)")
+    parser.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=True,
+                        help="projections whose rows do not depend on the rest of the step, so speculation never "
+                             "changes a 16-bit token (default: on; --no-batch-invariant: cuBLAS, faster prefill)")
     parser.add_argument("--compilation-config", type=_arg_type(json_object), default=None,
                         help='CUDA graphs, as JSON: \'{"cudagraph_mode": "FULL_DECODE_ONLY"}\'')
     for knob in KNOBS:  # unset: the engine's default (and verify's baseline)
@@ -77,7 +80,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
     kwargs = dict(model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
                   max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                   block_size=args.block_size, enforce_eager=args.enforce_eager,
-                  compilation_config=args.compilation_config, async_scheduling=args.async_scheduling)
+                  compilation_config=args.compilation_config, async_scheduling=args.async_scheduling,
+                  batch_invariant=args.batch_invariant)
     kwargs.update({k.name: getattr(args, k.name) for k in KNOBS if getattr(args, k.name) is not None})
     return kwargs
 

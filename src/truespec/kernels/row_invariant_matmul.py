@@ -43,10 +43,18 @@ PARALLEL_MAX_M = 512  # up to this many rows the segments run in parallel progra
 _TARGET_PROGRAMS = 64  # column blocks x segments at which a narrow weight's stream is spread enough (H100)
 
 
-def _tile(m: int) -> tuple[int, int, int, int, int, bool]:
-    """(weight rows, input rows, K chunk, warps, stages, swapped) of the tile for ``m`` rows."""
-    tile = next(t for limit, t in TILES if limit is None or m <= limit)
-    return (*tile[:2], SEGMENT_K, *tile[3:]) if is_interpreter() else tile
+_SHARED_MEMORY = 200 * 1024  # bytes of operand buffers a tile may stage (H100: 227 KB per SM)
+
+
+def _tile(m: int, element_size: int) -> tuple[int, int, int, int, int, bool]:
+    """(weight rows, input rows, K chunk, warps, stages, swapped) of the tile for ``m`` rows; the K chunk is halved
+    until the staged operands fit the shared memory (fp32 operands take twice bf16's)."""
+    block_n, block_m, block_k, warps, stages, swap = next(t for limit, t in TILES if limit is None or m <= limit)
+    if is_interpreter():
+        return block_n, block_m, SEGMENT_K, warps, stages, swap
+    while (block_n + block_m) * block_k * element_size * stages > _SHARED_MEMORY and block_k > 16:
+        block_k //= 2
+    return block_n, block_m, block_k, warps, stages, swap
 
 
 def plan(n: int, k: int) -> int:
@@ -61,11 +69,8 @@ def plan(n: int, k: int) -> int:
 
 
 @triton.jit
-def _load_input(x_ptr, offs_m, offs_k, mask_m, mask_k, stride_xm, K, HAS_ACT: tl.constexpr,
-                IS_SILU: tl.constexpr, ACC_DTYPE: tl.constexpr):
+def _load_input(ptrs, mask, K, HAS_ACT: tl.constexpr, IS_SILU: tl.constexpr, ACC_DTYPE: tl.constexpr):
     """The input chunk [rows, BLOCK_K] in the model dtype; with ``HAS_ACT`` act(gate) * up from ``[gate | up]``."""
-    ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
-    mask = mask_m[:, None] & mask_k[None, :]
     if HAS_ACT:
         gate = tl.load(ptrs, mask=mask, other=0.0)
         up = tl.load(ptrs + K, mask=mask, other=0.0)
@@ -76,16 +81,25 @@ def _load_input(x_ptr, offs_m, offs_k, mask_m, mask_k, stride_xm, K, HAS_ACT: tl
 @triton.jit
 def _segment_sum(x_ptr, w_ptr, offs_m, offs_n, mask_m, mask_n, k_start, k_end, K, stride_xm, stride_wn,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWAP: tl.constexpr,
-                 HAS_ACT: tl.constexpr, IS_SILU: tl.constexpr, ACC_DTYPE: tl.constexpr, INTERPRETED: tl.constexpr):
+                 EVEN_K: tl.constexpr, HAS_ACT: tl.constexpr, IS_SILU: tl.constexpr, ACC_DTYPE: tl.constexpr,
+                 INTERPRETED: tl.constexpr):
     """fp32 sums over K columns [k_start, k_end), chunk after chunk from zero: [BLOCK_N, BLOCK_M] with SWAP
-    (weight rows on the MMA's M side), else [BLOCK_M, BLOCK_N]."""
+    (weight rows on the MMA's M side), else [BLOCK_M, BLOCK_N]. EVEN_K: no chunk runs past k_end (no K mask)."""
     acc = tl.full([BLOCK_N, BLOCK_M] if SWAP else [BLOCK_M, BLOCK_N], 0, tl.float32)
-    for k0 in range(k_start, k_end, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        mask_k = offs_k < k_end
-        w = tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :],
-                    mask=mask_n[:, None] & mask_k[None, :], other=0.0)  # [BLOCK_N, BLOCK_K]
-        x = _load_input(x_ptr, offs_m, offs_k, mask_m, mask_k, stride_xm, K, HAS_ACT, IS_SILU, ACC_DTYPE)
+    offs_k = k_start + tl.arange(0, BLOCK_K)
+    w_ptrs = w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :]  # [BLOCK_N, BLOCK_K], advanced per chunk
+    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
+    for _ in range(k_start, k_end, BLOCK_K):
+        if EVEN_K:
+            w = tl.load(w_ptrs, mask=mask_n[:, None], other=0.0)
+            x = _load_input(x_ptrs, mask_m[:, None], K, HAS_ACT, IS_SILU, ACC_DTYPE)
+        else:
+            mask_k = offs_k < k_end
+            w = tl.load(w_ptrs, mask=mask_n[:, None] & mask_k[None, :], other=0.0)
+            x = _load_input(x_ptrs, mask_m[:, None] & mask_k[None, :], K, HAS_ACT, IS_SILU, ACC_DTYPE)
+            offs_k += BLOCK_K
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
         if INTERPRETED:  # numpy's matmul sums in an order that depends on the tile's shape; this sum does not
             if SWAP:
                 acc = acc + reduce_sum(w.to(tl.float32)[:, None, :] * x.to(tl.float32)[None, :, :], 2)
@@ -101,8 +115,8 @@ def _segment_sum(x_ptr, w_ptr, offs_m, offs_n, mask_m, mask_n, k_start, k_end, K
 @triton.jit
 def _matmul_kernel(x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, M, N, K, SEGMENT, stride_xm, stride_wn, stride_ym,
                    SPLIT: tl.constexpr, PARALLEL: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWAP: tl.constexpr, HAS_ACT: tl.constexpr,
-                   IS_SILU: tl.constexpr, ACC_DTYPE: tl.constexpr, INTERPRETED: tl.constexpr):
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWAP: tl.constexpr, EVEN_K: tl.constexpr,
+                   HAS_ACT: tl.constexpr, IS_SILU: tl.constexpr, ACC_DTYPE: tl.constexpr, INTERPRETED: tl.constexpr):
     """One tile of BLOCK_N columns x BLOCK_M rows. PARALLEL (always SWAP): this program sums segment
     program_id(2) into the workspace [SPLIT, M, N]; else it sums all SPLIT segments in order, adds the bias
     and writes y."""
@@ -114,17 +128,17 @@ def _matmul_kernel(x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, M, N, K, SEGMENT, stride_
         s = tl.program_id(2)
         part = _segment_sum(x_ptr, w_ptr, offs_m, offs_n, mask_m, mask_n, s * SEGMENT,
                             tl.minimum(K, (s + 1) * SEGMENT), K, stride_xm, stride_wn, BLOCK_M, BLOCK_N, BLOCK_K,
-                            True, HAS_ACT, IS_SILU, ACC_DTYPE, INTERPRETED)
+                            True, EVEN_K, HAS_ACT, IS_SILU, ACC_DTYPE, INTERPRETED)
         tl.store(ws_ptr + (s * M + offs_m[None, :]) * N + offs_n[:, None], part,
                  mask=mask_n[:, None] & mask_m[None, :])
     else:
         total = _segment_sum(x_ptr, w_ptr, offs_m, offs_n, mask_m, mask_n, 0, tl.minimum(K, SEGMENT), K,
-                             stride_xm, stride_wn, BLOCK_M, BLOCK_N, BLOCK_K, SWAP, HAS_ACT, IS_SILU, ACC_DTYPE,
-                             INTERPRETED)
+                             stride_xm, stride_wn, BLOCK_M, BLOCK_N, BLOCK_K, SWAP, EVEN_K, HAS_ACT, IS_SILU,
+                             ACC_DTYPE, INTERPRETED)
         for s in tl.static_range(1, SPLIT):
             total = total + _segment_sum(x_ptr, w_ptr, offs_m, offs_n, mask_m, mask_n, s * SEGMENT,
                                          tl.minimum(K, (s + 1) * SEGMENT), K, stride_xm, stride_wn, BLOCK_M,
-                                         BLOCK_N, BLOCK_K, SWAP, HAS_ACT, IS_SILU, ACC_DTYPE, INTERPRETED)
+                                         BLOCK_N, BLOCK_K, SWAP, EVEN_K, HAS_ACT, IS_SILU, ACC_DTYPE, INTERPRETED)
         if SWAP:
             if HAS_BIAS:
                 total = total + tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[:, None]
@@ -172,13 +186,13 @@ def row_invariant_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     split = plan(n, k)
     segment = triton.cdiv(triton.cdiv(k, split), SEGMENT_K) * SEGMENT_K
     parallel = m <= PARALLEL_MAX_M and split > 1
-    block_n, block_m, block_k, warps, stages, swap = _tile(m)
+    block_n, block_m, block_k, warps, stages, swap = _tile(m, x.element_size())
     ws = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if parallel else y
     grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m), split if parallel else 1)
     _matmul_kernel[grid](x, weight, bias if bias is not None else weight, y, ws, m, n, k, segment, x.stride(0),
                          weight.stride(0), y.stride(0), SPLIT=split, PARALLEL=parallel, HAS_BIAS=bias is not None,
                          BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SWAP=swap or parallel,
-                         HAS_ACT=input_act is not None, IS_SILU=input_act != "sigmoid",
+                         EVEN_K=k % block_k == 0, HAS_ACT=input_act is not None, IS_SILU=input_act != "sigmoid",
                          ACC_DTYPE=tl_compute_dtype(x.dtype), INTERPRETED=is_interpreter(),
                          num_warps=warps, num_stages=1 if is_interpreter() else stages)
     if parallel:

@@ -29,7 +29,7 @@ class DraftRequest:
     row: int  # the request's index in the step (its hidden rows start at output.query_start_loc[row])
     block_ids: list[int]
     first_state_slot: int
-    is_drafting: bool  # draft for its next step (it got a new token; False: catch up only)
+    is_drafting: bool  # draft for its next step (it got a new token and drafts pay; False: catch up only)
     max_drafts: int  # at most this many drafts (0 when not drafting)
 
     @property

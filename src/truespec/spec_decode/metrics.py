@@ -13,6 +13,9 @@ class SpecDecodeMetrics:
     num_draft_tokens_per_pos: list[int] = field(default_factory=list)  # drafts that reached each position
     num_steps: int = 0  # engine steps run
     num_steps_without_drafts: int = 0  # of them, steps in which no request verified a draft
+    # times a request that could draft for its next step drafted nothing because drafts were not paying for it
+    # (the adaptive draft length, spec_decode/draft_length.py)
+    num_draft_skips: int = 0
 
     def __post_init__(self) -> None:
         self.num_accepted_tokens_per_pos = [0] * self.num_speculative_tokens
@@ -47,5 +50,6 @@ class SpecDecodeMetrics:
             "num_draft_tokens_per_pos": list(self.num_draft_tokens_per_pos),
             "num_steps": self.num_steps,
             "num_steps_without_drafts": self.num_steps_without_drafts,
+            "num_draft_skips": self.num_draft_skips,
             "mean_acceptance_length": self.mean_acceptance_length,
         }

@@ -1,0 +1,100 @@
+"""Speculation vs none at several concurrencies, on held-out prompts of one kind (edits by default): output tok/s,
+TTFT, TPOT and the mean acceptance length per method and batch size, with the speedup over no speculation measured
+in the same process on the same card.
+
+    python3 benchmarks/spec_vs_none.py [--batch-sizes 1 4 16 64] [--kind edit] [--max-tokens 128]
+        [--methods none "ngram k=8" "mtp k=3" ...] [--json FILE] [--no-batch-invariant]
+
+At batch size b the engine runs ``max(2 b, --min-prompts)`` prompts with ``max_num_seqs = b`` (so b requests
+decode together, new ones joining as others finish); greedy, ignore_eos. One engine per method; each
+(method, b) gets one untimed warm-up generate first. Prints a markdown table last.
+"""
+
+import argparse
+import gc
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from truespec import LLM, SamplingParams
+from truespec.assets import DEFAULT_DRAFT_MODEL_DIR, DEFAULT_EAGLE_DIR
+
+PROMPTS = Path(__file__).resolve().parent / "prompts" / "heldout.jsonl"
+METHODS = {
+    "none": None,
+    "ngram k=8": {"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_min": 2},
+    "mtp k=3": {"method": "mtp", "num_speculative_tokens": 3},
+    "eagle k=3": {"method": "eagle", "num_speculative_tokens": 3, "model": str(DEFAULT_EAGLE_DIR)},
+    "draft_model k=3": {"method": "draft_model", "num_speculative_tokens": 3, "model": str(DEFAULT_DRAFT_MODEL_DIR)},
+}
+
+
+def measure(llm: LLM, prompts: list[str], batch_size: int, max_tokens: int) -> dict[str, float | None]:
+    engine = llm.llm_engine
+    engine.scheduler.max_num_seqs = batch_size  # a benchmark-only knob: the concurrency of this run
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    llm.generate(prompts[:batch_size], params, use_tqdm=False)  # warm-up
+    before = llm.get_metrics()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    torch.cuda.synchronize()
+    elapsed = time.perf_counter() - start
+    after = llm.get_metrics()
+    drafts = after["num_drafts"] - before["num_drafts"]
+    accepted = after["num_accepted_tokens"] - before["num_accepted_tokens"]
+    tpots = [o.metrics.time_per_output_token for o in outs if o.metrics.time_per_output_token is not None]
+    steps = after["num_steps"] - before["num_steps"]
+    return {"tok_s": sum(len(o.outputs[0].token_ids) for o in outs) / elapsed,
+            "ttft_ms": 1e3 * sum(o.metrics.time_to_first_token for o in outs) / len(outs),
+            "tpot_ms": 1e3 * sum(tpots) / len(tpots), "accept_len": 1 + accepted / drafts if drafts else None,
+            "steps_without_drafts": (after["num_steps_without_drafts"] - before["num_steps_without_drafts"]) / steps
+            if steps else None}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16, 64])
+    parser.add_argument("--kind", default="edit")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--min-prompts", type=int, default=24)
+    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args()
+    rows = [json.loads(line) for line in PROMPTS.read_text().splitlines()]
+    pool = [r["prompt"] for r in rows if r["kind"] == args.kind]
+    results: dict[str, dict[int, dict]] = {}
+    for name in args.methods:
+        llm = LLM(dtype=args.dtype, device="cuda", max_model_len=2048, max_num_seqs=max(args.batch_sizes),
+                  speculative_config=METHODS[name], batch_invariant=args.batch_invariant)
+        results[name] = {}
+        for b in args.batch_sizes:
+            results[name][b] = r = measure(llm, pool[:max(2 * b, args.min_prompts)], b, args.max_tokens)
+            print(f"{name} BS={b}: {r}", flush=True)
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
+    print(f"\n{torch.cuda.get_device_name()}, embedded model, {args.dtype}, CUDA graphs, {args.kind} prompts, "
+          f"{args.max_tokens} tokens, batch_invariant={args.batch_invariant}; tok/s (x none) [accept len] "
+          "TTFT / TPOT ms")
+    print("| method | " + " | ".join(f"BS={b}" for b in args.batch_sizes) + " |")
+    print("|---|" + "---:|" * len(args.batch_sizes))
+    for name, by_bs in results.items():
+        cells = []
+        for b, r in by_bs.items():
+            base = results.get("none", {}).get(b)
+            ratio = f" ({r['tok_s'] / base['tok_s']:.2f}x)" if base else ""
+            acc = f" [{r['accept_len']:.2f}]" if r["accept_len"] else ""
+            cells.append(f"{r['tok_s']:,.0f}{ratio}{acc} {r['ttft_ms']:.1f} / {r['tpot_ms']:.2f}")
+        print(f"| {name} | " + " | ".join(cells) + " |")
+    if args.json is not None:
+        args.json.write_text(json.dumps({"device": torch.cuda.get_device_name(), "args": vars(args) | {"json": None},
+                                         "results": results}, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
