@@ -29,8 +29,10 @@ class LLM:
         return self.llm_engine.cache_info()
 
     def get_metrics(self) -> dict[str, object]:
-        """Speculative-decoding counters: num_drafts, num_draft_tokens, num_accepted_tokens,
-        num_accepted_tokens_per_pos, mean_acceptance_length (= 1 + accepted / drafts)."""
+        """Speculative-decoding counters since the engine was built: num_drafts, num_draft_tokens,
+        num_accepted_tokens, num_accepted_tokens_per_pos, num_draft_tokens_per_pos, mean_acceptance_length
+        (= 1 + accepted / drafts), num_steps, num_steps_without_drafts, num_draft_skips (README, "Speculative
+        decoding")."""
         return self.llm_engine.spec_metrics.as_dict()
 
     def generate(self, prompts: PromptType | Seq[PromptType],

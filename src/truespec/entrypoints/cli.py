@@ -137,7 +137,9 @@ def format_spec_metrics(m: dict[str, object]) -> str:
     return (f"speculative decoding: num_drafts={drafts} num_draft_tokens={draft_tokens} "
             f"num_accepted_tokens={accepted} (acceptance rate {rate:.3f}) "
             f"mean_acceptance_length={m['mean_acceptance_length']:.3f}\n"
-            f"acceptance rate per position: {per_pos}")
+            f"acceptance rate per position: {per_pos}\n"
+            f"steps={m['num_steps']} steps_without_drafts={m['num_steps_without_drafts']} "
+            f"draft_skips={m['num_draft_skips']}")
 
 
 def _verify(args: argparse.Namespace) -> int:

@@ -34,15 +34,13 @@ from truespec.kernels.triton_utils import is_interpreter, reduce_sum, tl_compute
 from truespec.ops.activation import KERNEL_ACTIVATIONS
 
 SEGMENT_K = 128  # segment bounds are multiples of this (a function of K only: part of the result)
-# Tile per row count: (up to rows, (weight rows, input rows, K chunk, warps, stages)). The products are chained
-# into the accumulator (tl.dot's acc operand), so the K chunk does not change the bits on the tested cards;
-# the interpreter sums each chunk first, so there every tile uses SEGMENT_K (``_tile``).
+# Tile per row count: (up to rows, (weight rows, input rows, K chunk, warps, stages, swapped)). The products are
+# chained into the accumulator (tl.dot's acc operand), so the K chunk does not change the bits on the tested
+# cards; the interpreter sums each chunk first, so there every tile uses SEGMENT_K (``_tile``).
 TILES = [(16, (64, 16, 128, 4, 3, True)), (32, (64, 32, 128, 4, 4, True)), (64, (64, 64, 128, 4, 3, True)),
          (512, (64, 128, 128, 4, 3, True)), (None, (128, 128, 128, 8, 3, False))]  # H100 sweep, BENCHMARKS.md
 PARALLEL_MAX_M = 512  # up to this many rows the segments run in parallel programs (narrow weights need them)
 _TARGET_PROGRAMS = 64  # column blocks x segments at which a narrow weight's stream is spread enough (H100)
-
-
 _SHARED_MEMORY = 200 * 1024  # bytes of operand buffers a tile may stage (H100: 227 KB per SM)
 
 
@@ -192,9 +190,9 @@ def row_invariant_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     _matmul_kernel[grid](x, weight, bias if bias is not None else weight, y, ws, m, n, k, segment, x.stride(0),
                          weight.stride(0), y.stride(0), SPLIT=split, PARALLEL=parallel, HAS_BIAS=bias is not None,
                          BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SWAP=swap or parallel,
-                         EVEN_K=k % block_k == 0, HAS_ACT=input_act is not None, IS_SILU=input_act != "sigmoid",
-                         ACC_DTYPE=tl_compute_dtype(x.dtype), INTERPRETED=is_interpreter(),
-                         num_warps=warps, num_stages=1 if is_interpreter() else stages)
+                         EVEN_K=k % block_k == 0 and segment % block_k == 0, HAS_ACT=input_act is not None,
+                         IS_SILU=input_act != "sigmoid", ACC_DTYPE=tl_compute_dtype(x.dtype),
+                         INTERPRETED=is_interpreter(), num_warps=warps, num_stages=1 if is_interpreter() else stages)
     if parallel:
         block = 1024
         _sum_segments[(triton.cdiv(m * n, block),)](ws, bias if bias is not None else weight, y, m, n, y.stride(0),
