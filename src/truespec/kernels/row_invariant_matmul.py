@@ -31,7 +31,7 @@ import triton.language as tl
 
 from truespec.kernels.act_mul import act_mul_block
 from truespec.kernels.triton_utils import is_interpreter, reduce_sum, tl_compute_dtype
-from truespec.ops.activation import KERNEL_ACTIVATIONS
+from truespec.ops.linear import matmul_operands
 
 SEGMENT_K = 128  # segment bounds are multiples of this (a function of K only: part of the result)
 # Tile per row count: (up to rows, (weight rows, input rows, K chunk, warps, stages, swapped)). The products are
@@ -169,14 +169,8 @@ def row_invariant_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     """``x`` [M, K] (unit last stride), ``weight`` [N, K], ``bias`` [N] or None -> [M, N] in x's dtype (bf16,
     fp16 or fp32; fp32 products are IEEE, never TF32). With ``input_act`` (silu/swish/sigmoid) ``x`` is a merged
     gate/up output [M, 2K] and the input is ``act_mul(gate, up, input_act)``."""
+    x, weight = matmul_operands("row_invariant_matmul", x, weight, input_act)
     n, k = weight.shape
-    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != (k if input_act is None else 2 * k):
-        raise ValueError(f"row_invariant_matmul: x {tuple(x.shape)} and weight {tuple(weight.shape)} do not match"
-                         + ("" if input_act is None else f" (x is [gate | up] for input_act={input_act!r})"))
-    if input_act is not None and input_act not in KERNEL_ACTIVATIONS:
-        raise ValueError(f"row_invariant_matmul: input_act must be one of {KERNEL_ACTIVATIONS}, got {input_act!r}")
-    x = x if x.stride(-1) == 1 else x.contiguous()
-    weight = weight if weight.stride(-1) == 1 else weight.contiguous()
     m = x.shape[0]
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:

@@ -25,7 +25,7 @@ import triton.language as tl
 
 from truespec.kernels.act_mul import act_mul_block
 from truespec.kernels.triton_utils import reduce_sum, tl_compute_dtype
-from truespec.ops.activation import KERNEL_ACTIVATIONS
+from truespec.ops.linear import matmul_operands
 
 MAX_ROWS = 8  # rows per launch (more rows: one launch per group of 8)
 BLOCK_N, BLOCK_K, NUM_WARPS = 8, 1024, 8  # the fastest on the 0.8B shape's projections at one row (H100)
@@ -77,14 +77,8 @@ def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     dtype. With ``input_act`` (silu/swish/sigmoid), ``x`` is a merged gate/up output [M, 2K] and the input is
     ``act_mul(gate, up, input_act)``, computed on the fly. Rows are processed ``MAX_ROWS`` at a time; the block
     arguments are for benchmarks only."""
+    x, weight = matmul_operands("skinny_matmul", x, weight, input_act)
     k = weight.shape[-1]
-    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != (k if input_act is None else 2 * k):
-        raise ValueError(f"skinny_matmul: x {tuple(x.shape)} and weight {tuple(weight.shape)} do not match"
-                         + ("" if input_act is None else f" (x is [gate | up] for input_act={input_act!r})"))
-    if input_act is not None and input_act not in KERNEL_ACTIVATIONS:
-        raise ValueError(f"skinny_matmul: input_act must be one of {KERNEL_ACTIVATIONS}, got {input_act!r}")
-    x = x if x.stride(-1) == 1 else x.contiguous()
-    weight = weight if weight.stride(-1) == 1 else weight.contiguous()
     m, n = x.shape[0], weight.shape[0]
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     grid = (triton.cdiv(n, block_n),)

@@ -3,7 +3,7 @@ kernels/row_invariant_matmul.py."""
 
 import torch
 
-from truespec.ops.activation import act_mul_ref
+from truespec.ops.activation import KERNEL_ACTIVATIONS, act_mul_ref
 from truespec.ops.precision import compute_dtype
 
 
@@ -19,3 +19,16 @@ def linear_ref(
     if bias is not None:
         y = y + bias.to(acc)
     return y.to(x.dtype)
+
+
+def matmul_operands(name: str, x: torch.Tensor, weight: torch.Tensor,
+                    input_act: str | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The checks and layout every linear kernel needs: ``x`` [M, K] (or [M, 2K] ``[gate | up]`` with
+    ``input_act``) and ``weight`` [N, K], both returned with a unit last stride; errors name kernel ``name``."""
+    width = None if weight.dim() != 2 else weight.shape[1] * (1 if input_act is None else 2)
+    if x.dim() != 2 or x.shape[1] != width:
+        raise ValueError(f"{name}: x {tuple(x.shape)} and weight {tuple(weight.shape)} do not match"
+                         + ("" if input_act is None else f" (x is [gate | up] for input_act={input_act!r})"))
+    if input_act is not None and input_act not in KERNEL_ACTIVATIONS:
+        raise ValueError(f"{name}: input_act must be one of {KERNEL_ACTIVATIONS}, got {input_act!r}")
+    return (x if x.stride(-1) == 1 else x.contiguous()), (weight if weight.stride(-1) == 1 else weight.contiguous())
