@@ -18,7 +18,7 @@ from truespec.sampling_params import MIN_TEMPERATURE
     ("temperature", -0.1), ("temperature", float("nan")), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -2),
     ("min_p", 1.5), ("max_tokens", 0), ("min_tokens", -1), ("seed", 1.5), ("stop", [""]),
     ("stop_token_ids", [-1]), ("n", 2), ("temperature", "hot"), ("seed", 2**64), ("seed", True), ("logprobs", 21),
-    ("logprobs", -1),
+    ("logprobs", -1), ("prompt_logprobs", 21), ("prompt_logprobs", -1), ("prompt_logprobs", True),
 ])
 def test_invalid_sampling_params_name_the_field(field: str, value: object) -> None:
     with pytest.raises(ValueError, match=field):
@@ -47,9 +47,10 @@ def test_wrong_types_and_non_finite_values_name_the_field(field: str, value: obj
 def test_numpy_scalars_become_python_numbers() -> None:
     p = SamplingParams(temperature=np.float32(0.0), top_p=np.float64(0.5), top_k=np.int64(5),
                        max_tokens=np.int64(5), min_tokens=np.int32(2), seed=np.uint64(7), logprobs=np.int64(1),
-                       stop_token_ids=[np.int64(3)], ignore_eos=np.bool_(True))
+                       prompt_logprobs=np.int64(2), stop_token_ids=[np.int64(3)], ignore_eos=np.bool_(True))
     assert p.is_greedy and p.max_tokens == 5 and p.stop_token_ids == [3] and p.ignore_eos is True
-    for name in ("temperature", "top_p", "top_k", "max_tokens", "min_tokens", "seed", "logprobs", "ignore_eos"):
+    for name in ("temperature", "top_p", "top_k", "max_tokens", "min_tokens", "seed", "logprobs", "prompt_logprobs",
+                 "ignore_eos"):
         assert type(getattr(p, name)) in (int, float, bool), name
     assert type(p.stop_token_ids[0]) is int
     assert SamplingParams(temperature=np.float32(0.5)).temperature == 0.5

@@ -117,3 +117,24 @@ def test_token_slice_equals_slicing_the_whole_token_list() -> None:
     for start in range(0, 10):
         for end in range(start, 11):
             assert s.token_slice(start, end) == s.token_ids[start:end]
+
+
+def test_prompt_logprob_rows_cover_each_prompt_token_once() -> None:
+    """Chunk by chunk, token t comes from the row of position t - 1; after a preemption midway the re-prefill lists
+    only the tokens still missing, and nothing once the prompt's are all given."""
+    sched = make(budget=5)
+    a = Sequence("a", None, list(range(1, 13)), SamplingParams(max_tokens=100, prompt_logprobs=1), 100)
+    sched.add(a)
+    seen = []
+    for step in range(6):
+        if step == 2:  # after two chunks (positions 0..9)
+            sched.preempt(a)
+        (r,) = sched.schedule().scheduled
+        positions = [r.num_computed_tokens + i for i in r.prompt_logprobs_rows]
+        assert r.prompt_logprob_token_ids == [a.prompt_token_ids[p + 1] for p in positions]
+        seen += r.prompt_logprob_token_ids
+        a.prompt_logprobs += [{t: 0.0} for t in r.prompt_logprob_token_ids]  # as the output processor does
+        a.num_computed_tokens += r.num_new_tokens
+        if r.is_last_chunk:
+            a.output_token_ids.append(7)
+    assert seen == a.prompt_token_ids[1:] and a.output_token_ids == [7, 7]

@@ -21,6 +21,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 8192
     # the cache's fields, validated by kv_cache.CacheConfig (the engine builds one from them first)
     block_size: int = 16
+    kv_cache_dtype: str = "auto"  # "auto": the model's dtype
     num_gpu_blocks_override: int | None = None
     gpu_memory_utilization: float = 0.9
     cpu_kv_cache_space_gib: float = 4.0

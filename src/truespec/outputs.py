@@ -45,6 +45,9 @@ class RequestOutput:
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
+    # SamplingParams.prompt_logprobs: per prompt token, None for the first, then {token_id: logprob} (raw logits)
+    # holding the prompt token and the n most likely ones given the tokens before it; None unless asked
+    prompt_logprobs: list[dict[int, float] | None] | None = None
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = True
     metrics: RequestMetrics | None = None

@@ -104,7 +104,7 @@ class Scheduler:
         return ScheduledRequest(  # positional, in field order: this runs for every request of every step
             request_id, seq.params, start, n + len(drafts), token_ids, drafts, seq.draft_probs if drafts else None,
             block_ids, self.kv.first_state_slot(request_id), seq.state_index, len(seq.output_token_ids),
-            start + n == seq.num_tokens)
+            start + n == seq.num_tokens, seq.prompt_logprobs_due(start, start + n))
 
     def _make_room(self, seq: Sequence, num_tokens: int, out: SchedulerOutput) -> bool:
         while not self.kv.can_allocate(seq.request_id, num_tokens):

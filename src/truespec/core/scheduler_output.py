@@ -27,6 +27,9 @@ class ScheduledRequest:
     state_index: int  # slot of the group with the state after the last computed token
     num_output_tokens: int  # output tokens before this step (min_tokens counts from here)
     is_last_chunk: bool  # the step computes up to the request's last token, so it samples a new one
+    # SamplingParams.prompt_logprobs: the prompt tokens whose logprobs this step gives, each from the query row
+    # before it (``prompt_logprobs_rows``); [] when not asked, or all given already
+    prompt_logprob_token_ids: list[int] = field(default_factory=list)
 
     @property
     def num_new_tokens(self) -> int:
@@ -42,6 +45,13 @@ class ScheduledRequest:
     def num_logits(self) -> int:
         """Rows the sampler needs: 1 + drafts on the last chunk, none for an earlier prefill chunk."""
         return 1 + len(self.draft_token_ids) if self.is_last_chunk else 0
+
+    @property
+    def prompt_logprobs_rows(self) -> range:
+        """The query rows whose logits give ``prompt_logprob_token_ids``, one each: they end where the sampled rows
+        begin (a last chunk) or at the chunk's end (the chunk's last row predicts the next chunk's first token)."""
+        end = self.num_new_tokens - self.is_last_chunk
+        return range(end - len(self.prompt_logprob_token_ids), end)
 
 
 @dataclass

@@ -2,7 +2,8 @@
 
 Only the engine side changes a Sequence: the scheduler its status (finish included) and, on preemption, its
 progress; the engine the progress and drafts a step produced (the async scheduler the progress and a placeholder
-token of a step it queues ahead); the output processor its new tokens (up to a stop), text and timestamps.
+token of a step it queues ahead); the output processor its new tokens (up to a stop), prompt logprobs, text and
+timestamps.
 Which KV blocks and state slots it holds is recorded by the ``KVCacheManager`` under its ``request_id``.
 """
 
@@ -29,6 +30,9 @@ class Sequence:
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.output_logprobs: list[dict[int, float]] = []  # when params.logprobs is set
+        # when params.prompt_logprobs is set: None for the first prompt token, then one entry per prompt token as
+        # the prefill chunks give them (the output processor appends them)
+        self.prompt_logprobs: list[dict[int, float] | None] | None = None if params.prompt_logprobs is None else [None]
         self.params = params
         self.max_output_len = max_output_len  # min(max_tokens, max_model_len - prompt_len)
         self.status = SequenceStatus.WAITING
@@ -49,6 +53,13 @@ class Sequence:
         """Move past ``num_new_tokens`` computed sequence tokens and ``num_accepted`` verified drafts."""
         self.num_computed_tokens += num_new_tokens + num_accepted
         self.state_index = num_accepted  # the slot of the group holding the state after the last accepted token
+
+    def prompt_logprobs_due(self, start: int, end: int) -> list[int]:
+        """The prompt tokens whose logprobs a step computing positions [start, end) gives (token t from the row of
+        position t - 1), leaving out those already given (a re-prefill after preemption gives none twice)."""
+        if self.prompt_logprobs is None:
+            return []
+        return self.prompt_token_ids[max(start + 1, len(self.prompt_logprobs)):min(end + 1, self.prompt_len)]
 
     @property
     def token_ids(self) -> list[int]:

@@ -1,9 +1,10 @@
 """Async scheduling (vLLM's ``async_scheduling``): queue step N+1 on the device before reading step N's tokens.
 
-Done only for steps in which every running request decodes greedily on, one token, without drafts, logprobs or
-a waiting request that could be admitted: then step N+1 is the decode of the same requests, and its input ids
-can be copied on the device from step N's argmax. What no token value changes is done ahead (positions, KV
-blocks, state slots); each request gets a placeholder token that the engine replaces once N's tokens are read.
+Done only for steps in which every running request decodes greedily on, one token, without drafts, logprobs (of
+its output or of its prompt) or a waiting request that could be admitted: then step N+1 is the decode of the same
+requests, and its input ids can be copied on the device from step N's argmax. What no token value changes is
+done ahead (positions, KV blocks, state slots); each request gets a placeholder token that the engine replaces
+once N's tokens are read.
 A request that stops at N has its queued token discarded: the KV and state that token wrote went to blocks and
 slots it held, and anything that reuses them later is queued after it on the same stream. Each request's rows
 are computed as without the overlap (docs/ARCHITECTURE.md, invariant 1), so outputs are unchanged
@@ -55,7 +56,7 @@ class AsyncScheduler:
         for r, seq in zip(launched.sched.scheduled, seqs, strict=True):
             p = r.params
             if (not r.is_last_chunk or r.draft_token_ids or not p.is_greedy or p.logprobs is not None
-                    or len(seq.output_token_ids) + 2 > seq.max_output_len):
+                    or r.prompt_logprob_token_ids or len(seq.output_token_ids) + 2 > seq.max_output_len):
                 return None
             blocks += sched.kv.num_blocks_needed(seq.request_id, seq.num_computed_tokens + r.num_new_tokens + 1)
         return seqs if blocks <= sched.kv.blocks.num_free else None

@@ -162,7 +162,8 @@ class LLMEngine:
         an output to hand out (see ``OutputProcessor.wants_output``). ``provisional``: async scheduling already
         advanced them and appended a placeholder token."""
         updated, now, has_drafts = [], time.monotonic(), False
-        for r, tokens, logprobs in zip(scheduled, output.sampled_token_ids, output.logprobs, strict=True):
+        for r, tokens, logprobs, prompt_logprobs in zip(scheduled, output.sampled_token_ids, output.logprobs,
+                                                        output.prompt_logprobs, strict=True):
             seq = self.seqs.get(r.request_id)
             if seq is None or seq.is_finished:  # aborted, or stopped at a step queued before this one was read
                 continue
@@ -171,6 +172,8 @@ class LLMEngine:
                 seq.output_token_ids.pop()
             else:
                 seq.advance(r.num_new_tokens, num_accepted)
+            if prompt_logprobs:
+                self.output_processor.add_prompt_logprobs(seq, prompt_logprobs)
             if not tokens:  # a prefill chunk that is not the request's last
                 continue
             if seq.draft_token_ids:  # used up by this step (or cut to what the request may still emit)

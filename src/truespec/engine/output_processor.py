@@ -39,6 +39,11 @@ class OutputProcessor:
         return None
 
     @staticmethod
+    def add_prompt_logprobs(seq: Sequence, entries: list[dict[int, float]]) -> None:
+        """Append the prompt logprobs a prefill chunk gave (``SamplingParams.prompt_logprobs``)."""
+        seq.prompt_logprobs += entries
+
+    @staticmethod
     def wants_output(seq: Sequence) -> bool:
         """Whether ``seq`` hands out an output after a step that gave it tokens."""
         return seq.is_finished or seq.params.output_kind is not RequestOutputKind.FINAL_ONLY
@@ -96,4 +101,8 @@ def _request_output(seq: Sequence, text: str, first: int) -> RequestOutput:
     times = seq.token_times
     metrics = RequestMetrics(seq.arrival_time, times[0] if times else None, times[-1] if times else None,
                              seq.finished_time, list(times))
-    return RequestOutput(seq.request_id, seq.prompt, list(seq.prompt_token_ids), [out], seq.is_finished, metrics)
+    # complete from the first output on (it follows the last prefill chunk); a DELTA stream has them in its first
+    # output only, as vLLM
+    prompt_logprobs = None if seq.prompt_logprobs is None else list(seq.prompt_logprobs) if first == 0 else []
+    return RequestOutput(seq.request_id, seq.prompt, list(seq.prompt_token_ids), prompt_logprobs, [out],
+                         seq.is_finished, metrics)

@@ -16,16 +16,16 @@ table comes last; ``--json`` writes every number.
 import argparse
 import gc
 import json
-import os
 import platform
 import sys
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
 
-from truespec.config import DTYPES
+from truespec.config import CUDAGRAPH_MODES, DTYPES
+from truespec.entrypoints.arg_types import at_least, writable_path
 from truespec.entrypoints.errors import run_command
 from truespec.entrypoints.prompts_file import PROMPT_KEYS, load_rows
 from truespec.entrypoints.verify import json_object
@@ -33,7 +33,6 @@ from truespec.llm import LLM
 from truespec.sampling_params import SamplingParams
 
 PROMPT_KINDS = ("edit", "completion", "chat")
-CUDAGRAPH_MODES = ("NONE", "FULL_DECODE_ONLY", "FULL")
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -48,9 +47,9 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="auto")
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    parser.add_argument("--batch-sizes", type=_at_least(1), nargs="+", default=[1, 8])
-    parser.add_argument("--input-len", type=_at_least(1), default=128, help="prompt length (random prompts)")
-    parser.add_argument("--output-len", type=_at_least(1), default=64)
+    parser.add_argument("--batch-sizes", type=at_least(1), nargs="+", default=[1, 8])
+    parser.add_argument("--input-len", type=at_least(1), default=128, help="prompt length (random prompts)")
+    parser.add_argument("--output-len", type=at_least(1), default=64)
     parser.add_argument("--prompts-file", type=Path, default=None,
                         help='JSON Lines with a "prompt" (or "prompt_token_ids") key: real prompts instead of '
                              "random token ids")
@@ -64,10 +63,10 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cudagraph-mode", choices=CUDAGRAPH_MODES, default=None)
     parser.add_argument("--no-batch-invariant", dest="batch_invariant", action="store_false",
                         help="cuBLAS / skinny projections instead of the batch-invariant kernel (to measure its cost)")
-    parser.add_argument("--num-iters", type=_at_least(1), default=1, help="timed generate calls per batch size")
-    parser.add_argument("--warmup", type=_at_least(0), default=1, help="untimed generate calls per batch size")
+    parser.add_argument("--num-iters", type=at_least(1), default=1, help="timed generate calls per batch size")
+    parser.add_argument("--warmup", type=at_least(0), default=1, help="untimed generate calls per batch size")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random prompt ids")
-    parser.add_argument("--json", type=_writable_path, default=None, help="write the results here")
+    parser.add_argument("--json", type=writable_path, default=None, help="write the results here")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -214,30 +213,6 @@ def format_comparison(spec: list[dict], none: list[dict]) -> str:
         lines.append(f"| {s['batch_size']} | {s['output_tok_per_s']:.1f} | {n['output_tok_per_s']:.1f} | "
                      f"{s['output_tok_per_s'] / n['output_tok_per_s']:.2f}x | {tpots[0]} | {tpots[1]} |")
     return "\n".join(lines)
-
-
-def _at_least(low: int) -> Callable[[str], int]:
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
-        return value
-    return parse
-
-
-def _writable_path(text: str) -> Path:
-    """``--json``: checked when parsing, so a bad path fails before the run instead of losing its results."""
-    path = Path(text)
-    if path.is_dir():
-        raise argparse.ArgumentTypeError(f"{path} is a directory")
-    if not path.parent.is_dir():
-        raise argparse.ArgumentTypeError(f"directory {path.parent} does not exist")
-    if not os.access(path.parent, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
-        raise argparse.ArgumentTypeError(f"cannot write {path}")
-    return path
 
 
 def _json_arg(text: str) -> dict:

@@ -9,6 +9,7 @@ from pathlib import Path
 from truespec.config import DTYPES
 from truespec.entrypoints.bench import add_parser as add_bench_parser
 from truespec.entrypoints.errors import run_command
+from truespec.entrypoints.eval import add_parser as add_eval_parser
 from truespec.entrypoints.prompts_file import check_cli_prompts, load_prompts
 from truespec.entrypoints.verify import DEBUG_FAULTS, KNOBS, baseline_of, format_results, json_object, verify
 from truespec.llm import LLM
@@ -45,6 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--device", default="auto")
     demo.set_defaults(run=_demo)
     add_bench_parser(sub)
+    add_eval_parser(sub)
     args = parser.parse_args(argv)
     return run_command(lambda: args.run(args))
 

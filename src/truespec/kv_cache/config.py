@@ -32,6 +32,7 @@ class CacheConfig:
 
     @classmethod
     def from_engine_config(cls, config: EngineConfig) -> "CacheConfig":
-        return cls(block_size=config.block_size, num_gpu_blocks_override=config.num_gpu_blocks_override,
+        return cls(block_size=config.block_size, kv_cache_dtype=config.kv_cache_dtype,
+                   num_gpu_blocks_override=config.num_gpu_blocks_override,
                    gpu_memory_utilization=config.gpu_memory_utilization,
                    cpu_kv_cache_space_gib=config.cpu_kv_cache_space_gib)

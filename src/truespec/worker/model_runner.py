@@ -16,6 +16,7 @@ from truespec.layers.sampler import request_generator
 from truespec.sampling_params import SamplingParams
 from truespec.worker.graph_runner import GraphRunner, GraphSettings
 from truespec.worker.input_builder import ContextRow
+from truespec.worker.prompt_logprobs import QueuedPromptLogprobs, prompt_logprobs_entries, queue_prompt_logprobs
 from truespec.worker.runner_output import ModelRunnerOutput
 
 
@@ -33,7 +34,8 @@ class LaunchedStep:
     # draws (``rejection_sample_draws``); ``offsets``: per request, where its values start in it
     values_host: torch.Tensor | None = None
     offsets: list[int] = field(default_factory=list)
-    done: "torch.cuda.Event | None" = None
+    prompt_logprobs: QueuedPromptLogprobs | None = None  # of the requests with prompt logprobs due (host copies)
+    done: "torch.cuda.Event | None" = None  # recorded after the copies to the host
 
 
 class ModelRunner:
@@ -73,7 +75,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def launch(self, sched: SchedulerOutput, input_ids_from: torch.Tensor | None = None) -> LaunchedStep:
-        """Queue a step's forward, logits and tokens on the device, without waiting for them.
+        """Queue a step's forward, logits and tokens (and the prompt logprobs due) on the device, without waiting.
 
         ``input_ids_from``: a device tensor whose first T values replace the step's T input ids (async
         scheduling: the previous step's argmax, still being computed, feeds this step's decodes)."""
@@ -101,6 +103,8 @@ class ModelRunner:
                 logits[row:row + num_banned_rows, banned] = float("-inf")
             row += n
         self._queue_tokens(step)
+        step.prompt_logprobs = queue_prompt_logprobs(self.model, hidden, scheduled, ctx.query_start_loc_cpu)
+        self._record_done(step)
         return step
 
     def _min_tokens_bans(self, params: SamplingParams) -> list[int]:
@@ -109,7 +113,7 @@ class ModelRunner:
 
     def _queue_tokens(self, step: LaunchedStep) -> None:
         """Queue every request's tokens on the device (one argmax over the batch for the greedy ones, the draws of
-        each random one with its own generator) and one copy of them all to the host behind an event: no
+        each random one with its own generator) and one copy of them all to the host (read after ``done``): no
         per-request sync, and the host may queue the next step before this one ends."""
         values = []
         if any(r.params.is_greedy for r in step.sched.scheduled):
@@ -126,17 +130,22 @@ class ModelRunner:
             offset += len(values[-1])
         if values:
             step.values_host = torch.cat(values).to("cpu", non_blocking=True)
-            if self.device.type == "cuda":  # on this device's stream, also when another device is current
-                step.done = torch.cuda.Event()
-                step.done.record(torch.cuda.current_stream(self.device))
+
+    def _record_done(self, step: LaunchedStep) -> None:
+        """The event after the step's copies to the host (on CPU they are done when queued)."""
+        if self.device.type == "cuda" and (step.values_host is not None or step.prompt_logprobs is not None):
+            step.done = torch.cuda.Event()  # on this device's stream, also when another device is current
+            step.done.record(torch.cuda.current_stream(self.device))
 
     @torch.inference_mode()
     def collect(self, step: LaunchedStep) -> ModelRunnerOutput:
-        """Wait for a launched step; per request, its accepted drafts and new token (greedy or sampled)."""
+        """Wait for a launched step; per request, its accepted drafts and new token (greedy or sampled), and the
+        prompt logprobs it gave."""
         if step.done is not None:
             step.done.synchronize()
         values = step.values_host.tolist() if step.values_host is not None else []  # the step's one host read
         out = step.output
+        out.prompt_logprobs = prompt_logprobs_entries(step.prompt_logprobs, step.sched.scheduled)
         for r, (start, n), at in zip(step.sched.scheduled, step.spans, step.offsets, strict=True):
             if n == 0:
                 out.sampled_token_ids.append([])
