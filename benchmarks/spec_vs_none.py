@@ -3,7 +3,7 @@ TTFT, TPOT and the mean acceptance length per method and batch size, with the sp
 in the same process on the same card.
 
     python3 benchmarks/spec_vs_none.py [--batch-sizes 1 4 16 64] [--kind edit] [--max-tokens 128]
-        [--methods none "ngram k=8" "mtp k=3" ...] [--json FILE] [--no-batch-invariant]
+        [--methods none "ngram k=8" "mtp k=3" "mtp k=3 ahead" ...] [--json FILE] [--no-batch-invariant]
 
 At batch size b the engine runs ``max(2 b, --min-prompts)`` prompts with ``max_num_seqs = b`` (so b requests
 decode together, new ones joining as others finish); greedy, ignore_eos. One engine per method; each
@@ -29,6 +29,9 @@ METHODS = {
     "eagle k=3": {"method": "eagle", "num_speculative_tokens": 3, "model": str(DEFAULT_EAGLE_DIR)},
     "draft_model k=3": {"method": "draft_model", "num_speculative_tokens": 3, "model": str(DEFAULT_DRAFT_MODEL_DIR)},
 }
+# the same drafters with their verifies queued ahead and drafted on the device (async_scheduling=True)
+METHODS |= {f"{name} ahead": METHODS[name] for name in ("mtp k=3", "eagle k=3")}
+ENGINE_KWARGS = {f"{name} ahead": {"async_scheduling": True} for name in ("mtp k=3", "eagle k=3")}
 
 
 def measure(llm: LLM, prompts: list[str], batch_size: int, max_tokens: int) -> dict[str, float | None]:
@@ -70,7 +73,7 @@ def main() -> None:
     results: dict[str, dict[int, dict]] = {}
     for name in args.methods:
         llm = LLM(dtype=args.dtype, device="cuda", max_model_len=2048, max_num_seqs=max(args.batch_sizes),
-                  speculative_config=METHODS[name], batch_invariant=args.batch_invariant)
+                  speculative_config=METHODS[name], batch_invariant=args.batch_invariant, **ENGINE_KWARGS.get(name, {}))
         results[name] = {}
         for b in args.batch_sizes:
             results[name][b] = r = measure(llm, pool[:max(2 * b, args.min_prompts)], b, args.max_tokens)

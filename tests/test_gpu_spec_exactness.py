@@ -128,8 +128,9 @@ def count_mixed_steps(llm: LLM, counts: dict[str, int]) -> None:
 def generate(dtype: str, shape: Shape, method: str | None = None, logprobs: int | None = None) -> Run:
     """One engine for one configuration: greedy-decode the shape's prompts, then free the device."""
     spec = METHODS[method] if method is not None else None
+    # async_scheduling=True: MTP / EAGLE verifies are queued ahead and drafted on the device (engine/async_scheduler.py)
     llm = LLM(str(DEFAULT_MODEL_DIR), dtype=dtype, device=DEVICE, max_model_len=MAX_MODEL_LEN,
-              speculative_config=spec, **shape.engine_kwargs())
+              speculative_config=spec, async_scheduling=True if spec is not None else None, **shape.engine_kwargs())
     counts = {"mixed": 0, "mixed_verify": 0}
     count_mixed_steps(llm, counts)
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=logprobs)

@@ -149,8 +149,8 @@ def test_runner_without_cuda_runs_eagerly_and_says_why(tiny_models: dict[str, Pa
     assert not runner.enabled and "has no CUDA graphs" in caplog.text
     runner.capture()  # nothing to capture
     allocate_caches(model, 4, 4, 1, CPU)
-    hidden, ctx = runner.run([ContextRow([0], 0, 2, -1, -1, 1, 1)], [5, 6], [0, 1], decode_only=False)
-    assert hidden.shape[0] == 2 and ctx.logits_indices.tolist() == [1]
+    hidden, inputs = runner.run([ContextRow([0], 0, 2, -1, -1, 1, 1)], [5, 6], [0, 1], decode_only=False)
+    assert hidden.shape[0] == 2 and inputs.ctx.logits_indices.tolist() == [1]
     assert runner.stats == {"eager": 1}
 
 

@@ -34,14 +34,14 @@ class ForwardContext:
     logits_indices: torch.Tensor  # [num_logits] int64: token rows whose logits the sampler needs
     # Host copies for the torch reference paths (never read inside a captured CUDA graph).
     query_start_loc_cpu: list[int]
-    seq_lens_cpu: list[int]
+    seq_lens_cpu: list[int] | None  # None once the device moved the positions (input_builder.shift_positions)
     # (state_src, state_dst, state_write_start) of the real requests on the host, where the builder has them
     # (eager paths that pick a kernel per request, e.g. GDN chunked prefill); None: not known on the host.
     state_cpu: tuple[list[int], list[int], list[int]] | None = None
 
     @property
     def num_reqs(self) -> int:
-        return len(self.seq_lens_cpu)
+        return len(self.query_start_loc_cpu) - 1
 
     @property
     def num_tokens(self) -> int:

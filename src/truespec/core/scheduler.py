@@ -15,7 +15,7 @@ import time
 from collections import deque
 
 from truespec.core.scheduler_output import ScheduledRequest, SchedulerOutput
-from truespec.core.sequence import Sequence, SequenceStatus, token_slice
+from truespec.core.sequence import PLACEHOLDER, Sequence, SequenceStatus, token_slice
 from truespec.kv_cache.manager import KVCacheManager
 
 
@@ -63,6 +63,23 @@ class Scheduler:
             self._admit(budget, out)
         if out.scheduled:  # reported with a step that runs (an empty one is never launched)
             out.finished_req_ids, self._finished_ids = self._finished_ids, []
+        return out
+
+    def schedule_verify_ahead(self, plans: list[tuple[Sequence, int, int, int]]) -> SchedulerOutput | None:
+        """The next step of every running request, planned while the current one runs (speculative steps queued
+        ahead): per request (seq, first query position as if nothing is accepted now, drafts it verifies, positions
+        its blocks must cover). The device moves each request past what it accepts and supplies the token and
+        drafts, so the host lists placeholders. Nothing is preempted: None when the blocks do not fit."""
+        kv = self.kv
+        if sum(kv.num_blocks_needed(seq.request_id, hold) for seq, _, _, hold in plans) > kv.blocks.num_free:
+            return None
+        out = SchedulerOutput()
+        for seq, start, num_drafts, hold in plans:
+            ids, block_ids = [PLACEHOLDER] * (1 + num_drafts), kv.allocate(seq.request_id, hold)
+            out.scheduled.append(ScheduledRequest(
+                seq.request_id, seq.params, start, 1 + num_drafts, ids, ids[1:], None, block_ids,
+                kv.first_state_slot(seq.request_id), 0, len(seq.output_token_ids) + 1, True))
+        out.finished_req_ids, self._finished_ids = self._finished_ids, []
         return out
 
     def report_finished(self, request_ids: list[str]) -> None:

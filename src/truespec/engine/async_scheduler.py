@@ -1,25 +1,43 @@
 """Async scheduling (vLLM's ``async_scheduling``): queue step N+1 on the device before reading step N's tokens.
 
-Done only for steps in which every running request decodes greedily on, one token, without drafts, logprobs (of
-its output or of its prompt) or a waiting request that could be admitted: then step N+1 is the decode of the same
-requests, and its input ids can be copied on the device from step N's argmax. What no token value changes is
-done ahead (positions, KV blocks, state slots); each request gets a placeholder token that the engine replaces
-once N's tokens are read.
-A request that stops at N has its queued token discarded: the KV and state that token wrote went to blocks and
-slots it held, and anything that reuses them later is queued after it on the same stream. Each request's rows
-are computed as without the overlap (docs/ARCHITECTURE.md, invariant 1), so outputs are unchanged
-(tests/test_async_scheduling.py).
+Two kinds of step are queued ahead, each only when every running request takes part and no waiting request
+could be admitted (its prompt goes in a step planned on the host):
+- **Decodes**: every request decodes greedily on, one token, without drafts, logprobs (of its output or of its
+  prompt): step N+1's input ids are copied on the device from step N's argmax. What no token value changes is
+  done ahead (positions, KV blocks, state slots); each request gets a placeholder token that the engine replaces
+  once N's tokens are read.
+- **Verifies** (a drafter that drafts on the device: MTP, EAGLE): behind every greedy decode / verify step the
+  drafter queues the step's accepted counts and each request's next token and k drafts on the device
+  (``ModelDrafter.draft_on_device``). Step N+1 is planned as if N accepts nothing; its blocks cover the case
+  where N accepts everything, and the device moves each request's positions, KV slots and state source by what N
+  accepted (``input_builder.shift_positions``) and feeds the next token and drafts. The host learns N+1's drafts
+  with its tokens, in the step's one read. The host work of N+1 and N+2 thus overlaps N's and N+1's forwards.
+A request that stops at N has its queued work discarded: the KV and state it wrote went to blocks and slots it
+held, and anything that reuses them later is queued after it on the same stream. Each request's rows are
+computed as without the overlap (docs/ARCHITECTURE.md, invariant 1), so outputs are unchanged
+(tests/test_async_scheduling.py, tests/test_async_spec.py).
 """
 
+from collections.abc import Callable
+
+import torch
+
 from truespec.core.scheduler import Scheduler
+from truespec.core.scheduler_output import SchedulerOutput
 from truespec.core.sequence import PLACEHOLDER, Sequence
+from truespec.spec_decode.model_drafter import ModelDrafter
 from truespec.worker.model_runner import LaunchedStep, ModelRunner
 
 
 class AsyncScheduler:
-    def __init__(self, scheduler: Scheduler, runner: ModelRunner, seqs: dict[str, Sequence], enabled: bool) -> None:
+    def __init__(self, scheduler: Scheduler, runner: ModelRunner, seqs: dict[str, Sequence], enabled: bool,
+                 drafter: ModelDrafter | None = None, num_drafts: Callable[[str], int] | None = None) -> None:
         self.scheduler, self.runner, self.seqs = scheduler, runner, seqs
-        self.enabled = enabled
+        self.enabled = enabled  # decodes queued ahead (only without a proposer: it drafts from the tokens)
+        # verifies queued ahead, drafted on the device (None: never); ``num_drafts``: the drafts a request's
+        # next step verifies
+        self.drafter = drafter if drafter is not None and drafter.can_draft_on_device else None
+        self.num_drafts = num_drafts
         self.inflight: LaunchedStep | None = None  # a queued step, collected by the next engine step
         self.num_async_steps = 0  # steps queued before the previous one's tokens were read
 
@@ -27,9 +45,26 @@ class AsyncScheduler:
         launched, self.inflight = self.inflight, None
         return launched
 
-    def launch_next(self, launched: LaunchedStep) -> bool:
-        """If every request of ``launched`` goes on to a greedy one-token decode, advance them past it with a
-        placeholder token and queue the next step. True if it did."""
+    def launch(self, sched: SchedulerOutput, input_ids_from: torch.Tensor | None = None,
+               shift: torch.Tensor | None = None) -> LaunchedStep:
+        """Queue a step, and behind it the drafter's work on the device when every request of it is greedy."""
+        step = self.runner.launch(sched, input_ids_from, shift)
+        if self._drafts_on_device(sched, is_ahead=shift is not None):
+            qsl = step.inputs.ctx.query_start_loc[:len(sched.scheduled) + 1]
+            step.device_drafts = self.drafter.draft_on_device(
+                step.rows, step.positions, step.output.hidden_states, step.argmax, step.inputs.input_ids, qsl, shift,
+                sched.finished_req_ids)
+        return step
+
+    def launch_next(self, launched: LaunchedStep) -> str | None:
+        """Queue the step after ``launched`` if it can be planned now: "decode" (its requests were advanced past
+        ``launched`` with a placeholder token), "verify" (they were not: the device moves them), else None."""
+        if launched.device_drafts is not None:
+            return "verify" if self._launch_verify(launched) else None
+        return "decode" if self._launch_decode(launched) else None
+
+    # ---- decodes ------------------------------------------------------------------------------------
+    def _launch_decode(self, launched: LaunchedStep) -> bool:
         seqs = self._next_decodes(launched)
         if seqs is None:
             return False
@@ -47,10 +82,8 @@ class AsyncScheduler:
     def _next_decodes(self, launched: LaunchedStep) -> list[Sequence] | None:
         """The requests of ``launched`` if the next step can be planned now, else None."""
         sched = self.scheduler
-        if not self.enabled or (sched.waiting and len(sched.running) < sched.max_num_seqs):
-            return None  # the next step may admit a waiting request: its prompt goes in a step planned on the host
-        seqs = [self.seqs.get(r.request_id) for r in launched.sched.scheduled]
-        if seqs != sched.running or len(seqs) > sched.max_num_batched_tokens:
+        seqs = self._same_requests(launched) if self.enabled else None
+        if seqs is None:
             return None
         blocks = 0
         for r, seq in zip(launched.sched.scheduled, seqs, strict=True):
@@ -61,6 +94,57 @@ class AsyncScheduler:
             blocks += sched.kv.num_blocks_needed(seq.request_id, seq.num_computed_tokens + r.num_new_tokens + 1)
         return seqs if blocks <= sched.kv.blocks.num_free else None
 
+    def _same_requests(self, launched: LaunchedStep) -> list[Sequence] | None:
+        """The requests of ``launched`` if they are exactly the running ones and no waiting one could join."""
+        sched = self.scheduler
+        if sched.waiting and len(sched.running) < sched.max_num_seqs:
+            return None  # the next step may admit a waiting request: its prompt goes in a step planned on the host
+        seqs = [self.seqs.get(r.request_id) for r in launched.sched.scheduled]
+        return seqs if seqs == sched.running and len(seqs) <= sched.max_num_batched_tokens else None
+
+    # ---- verifies -----------------------------------------------------------------------------------
+    def _drafts_on_device(self, sched: SchedulerOutput, is_ahead: bool) -> bool:
+        """Whether the drafter drafts behind this step on the device: every request is a greedy decode or verify
+        without logprobs, and its blocks cover the drafts' positions (a step planned ahead allocated them)."""
+        if self.drafter is None:
+            return False
+        reach = self.drafter.k - 1 if not is_ahead else 0  # the last draft's position past the query
+        block_size = self.scheduler.kv.block_size
+        return all(r.is_last_chunk and r.num_new_tokens == 1 and r.params.is_greedy and r.params.logprobs is None
+                   and r.num_computed_tokens + r.num_scheduled_tokens + reach <= len(r.block_ids) * block_size
+                   for r in sched.scheduled)
+
+    def _launch_verify(self, launched: LaunchedStep) -> bool:
+        """Plan and queue the verify after ``launched`` from the drafts queued behind it."""
+        seqs = self._same_requests(launched)
+        if seqs is None:
+            return False
+        k, plans = self.drafter.k, []
+        for r, seq in zip(launched.sched.scheduled, seqs, strict=True):
+            num_drafts_now = len(r.draft_token_ids)
+            room = seq.max_output_len - len(seq.output_token_ids) - 1 - num_drafts_now  # if it accepts them all
+            if room < 1 or seq.params.min_tokens > len(seq.output_token_ids):
+                return False  # it may finish at ``launched``, or its next rows may need min_tokens bans
+            num_drafts = min(self.num_drafts(seq.request_id), room - 1, k)
+            start = seq.num_computed_tokens + 1  # as if ``launched`` accepts nothing; the device adds what it did
+            plans.append((seq, start, num_drafts, start + num_drafts_now + 1 + num_drafts + k))
+        if sum(1 + d for _, _, d, _ in plans) > self.scheduler.max_num_batched_tokens:
+            return False
+        out = self.scheduler.schedule_verify_ahead(plans)
+        if out is None:
+            return False
+        dd = launched.device_drafts
+        counts = {d for _, _, d, _ in plans}
+        if len(counts) == 1:  # each request takes its next token and the same number of drafts
+            (num_drafts,) = counts
+            ids = dd.next_ids[:, :1 + num_drafts].flatten()
+        else:
+            index = [i * (1 + k) + j for i, (_, _, d, _) in enumerate(plans) for j in range(1 + d)]
+            ids = dd.next_ids.flatten().index_select(0, _to_device(index, dd.next_ids.device))
+        self.inflight = self.launch(out, input_ids_from=ids, shift=dd.num_accepted)
+        self.num_async_steps += 1
+        return True
+
     def drop_if_finished(self) -> None:
         """Forget a queued step whose requests all stopped or were aborted: nothing will read its tokens."""
         if self.inflight is not None and all(self._is_done(r.request_id) for r in self.inflight.sched.scheduled):
@@ -69,3 +153,9 @@ class AsyncScheduler:
     def _is_done(self, request_id: str) -> bool:
         seq = self.seqs.get(request_id)
         return seq is None or seq.is_finished
+
+
+def _to_device(values: list[int], device: torch.device) -> torch.Tensor:
+    """One host-to-device copy that does not wait for the device (pinned memory on CUDA)."""
+    host = torch.tensor(values, dtype=torch.int64)
+    return host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host

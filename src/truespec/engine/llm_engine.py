@@ -21,9 +21,11 @@ from truespec.layers.linear import set_batch_invariant
 from truespec.models.loader import load_model
 from truespec.outputs import RequestOutput
 from truespec.sampling_params import SamplingParams
+from truespec.spec_decode.device_drafts import DeviceDrafts
 from truespec.spec_decode.draft_length import DraftLengthPolicy
 from truespec.spec_decode.interface import DraftRequest
 from truespec.spec_decode.metrics import SpecDecodeMetrics
+from truespec.spec_decode.model_drafter import ModelDrafter
 from truespec.spec_decode.proposer import check_speculative_config, load_drafter, make_proposer, num_lookahead_tokens
 from truespec.tokenizer import load_tokenizer
 from truespec.worker.graph_runner import GraphSettings
@@ -70,8 +72,13 @@ class LLMEngine:
         self.seqs: dict[str, Sequence] = {}
         self._ids = itertools.count()
         is_async = config.async_scheduling if config.async_scheduling is not None else self.device.type == "cuda"
+        # speculative steps are queued ahead only when asked for (async_scheduling=True): on the embedded model they
+        # were measured slower than planning them on the host (BENCHMARKS.md, session 8)
+        queue_verifies = config.async_scheduling is True and isinstance(self.proposer, ModelDrafter)
+        drafter = self.proposer if queue_verifies else None
         self.overlap = AsyncScheduler(self.scheduler, self.runner, self.seqs,
-                                      enabled=is_async and self.proposer is None)
+                                      enabled=is_async and self.proposer is None, drafter=drafter,
+                                      num_drafts=self._num_drafts_ahead)
         # called after a request's tokens of a step are applied, with its number of accepted drafts (tests and
         # `truespec verify --debug-fault` observe or perturb the engine through these)
         self.update_hooks: list[Callable[[Sequence, int], None]] = []
@@ -143,11 +150,14 @@ class LLMEngine:
             if not sched.scheduled:
                 return []
             try:
-                launched = launched or self.runner.launch(sched)
-                provisional = self.overlap.launch_next(launched)
+                launched = launched or self.overlap.launch(sched)
+                ahead = self.overlap.launch_next(launched)
                 output = self.runner.collect(launched)
-                updated = self._update(sched.scheduled, output, provisional)
-                self._propose(sched, output)
+                updated = self._update(sched.scheduled, output, provisional=ahead == "decode")
+                if launched.device_drafts is None:
+                    self._propose(sched, output)
+                else:
+                    self._take_device_drafts(sched, output, launched.device_drafts, is_queued=ahead == "verify")
             except BaseException:
                 self._restart(sched)
                 raise
@@ -213,6 +223,28 @@ class LLMEngine:
         drafts = self.proposer.propose(requests, output, sched.finished_req_ids)
         for request_id, d in drafts.items():
             self.seqs[request_id].draft_token_ids, self.seqs[request_id].draft_probs = d.token_ids, d.probs
+
+    def _take_device_drafts(self, sched: SchedulerOutput, output: ModelRunnerOutput, drafts: DeviceDrafts,
+                            is_queued: bool) -> None:
+        """After a step the drafter drafted behind on the device: the verify queued after it uses the drafts there;
+        if none was queued, each request that goes on takes what the draft-length policy gives it to the host."""
+        self.draft_length.forget(sched.finished_req_ids)
+        if is_queued:
+            return
+        next_ids = drafts.next_ids.tolist()  # waits for the drafter
+        for i, r in enumerate(sched.scheduled):
+            seq = self.seqs.get(r.request_id)
+            if seq is None or seq.is_finished or not output.sampled_token_ids[i]:
+                continue
+            num_drafts = min(self._num_drafts_ahead(r.request_id), self.scheduler.max_drafts(seq))
+            seq.draft_token_ids, seq.draft_probs = next_ids[i][1:1 + num_drafts], None
+
+    def _num_drafts_ahead(self, request_id: str) -> int:
+        """Drafts the request's next step verifies (0 past ``disable_by_batch_size``), counted."""
+        limit = self.config.speculative_config.disable_by_batch_size
+        if limit is not None and len(self.scheduler.running) >= limit:
+            return 0
+        return self._num_drafts(request_id)
 
     def _num_drafts(self, request_id: str) -> int:
         """What the draft-length policy gives the request's next step (0: it only catches up), counted."""

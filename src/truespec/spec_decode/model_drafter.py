@@ -20,8 +20,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from truespec.kv_cache.layout import allocate_caches
+from truespec.kv_cache.layout import allocate_caches, state_bytes_per_slot
 from truespec.layers.sampler import probabilities, request_generator
+from truespec.spec_decode.device_drafts import DeviceDrafts, greedy_accepted
 from truespec.spec_decode.interface import DraftRequest, Drafts
 from truespec.worker.graph_runner import GraphRunner, GraphSettings
 from truespec.worker.input_builder import ContextRow
@@ -53,8 +54,12 @@ class ModelDrafter:
         self.offset = 0 if self.uses_target_hidden else 1
         self._generators: dict[str, torch.Generator] = {}
         allocate_caches(head, num_blocks, graphs.block_size, num_state_slots, device)
-        self.graphs = GraphRunner(head, f"drafter ({type(head).__name__})", graphs, device, hidden_size, head.dtype)
+        # 1 + k forwards per step, and the host may queue the next step's before the device ends this one's
+        self.graphs = GraphRunner(head, f"drafter ({type(head).__name__})", graphs, device, hidden_size, head.dtype,
+                                  num_staging=2 * (k + 1) + 2)
         self.graphs.capture()  # the drafter replays graphs whenever the target does
+        # a head without recurrent state drafts greedy steps on the device, queued behind the target's forward
+        self.can_draft_on_device = self.uses_target_hidden and state_bytes_per_slot(head) == 0
 
     @torch.inference_mode()
     def propose(self, requests: list[DraftRequest], output: ModelRunnerOutput,
@@ -75,6 +80,38 @@ class ModelDrafter:
             self._sample(active)
         return {job.request.request_id: Drafts(job.token_ids, _stack(job.probs))
                 for job in jobs if job.request.is_drafting}
+
+    @torch.inference_mode()
+    def draft_on_device(self, rows: list[ContextRow], positions: list[int], hidden: torch.Tensor,
+                        argmax: torch.Tensor, input_ids: torch.Tensor, query_start_loc: torch.Tensor,
+                        shift: torch.Tensor | None, finished_req_ids: list[str]) -> DeviceDrafts:
+        """Queue a greedy step's acceptance, catch-up and k drafts per request on the device, nothing read back.
+
+        ``rows`` / ``positions``: the target step's, as the host built them (``shift``: how far the device moved
+        them); ``hidden``, ``argmax``, ``input_ids`` [T] and ``query_start_loc`` [R + 1]: the step's, on the
+        device. The catch-up covers every query row, each with the target's argmax of it as the token after it:
+        up to the last accepted draft that is the draft, then the next token; the rows after it write KV at
+        positions the drafts overwrite before anything reads them. The same tokens as ``propose``
+        (tests/test_async_spec.py)."""
+        for request_id in finished_req_ids:
+            self._generators.pop(request_id, None)
+        num_tokens = len(positions)
+        max_drafts = max(row.query_len for row in rows) - 1
+        num_accepted, next_token = greedy_accepted(argmax[:num_tokens], input_ids[:num_tokens], query_start_loc,
+                                                   max_drafts)
+        out, _ = self.graphs.run(rows, [0] * num_tokens, positions, hidden[:num_tokens], decode_only=True,
+                                 input_ids_from=argmax, shift=shift)
+        hidden = out[query_start_loc[:-1] + num_accepted]  # [R, H]: at the last accepted position
+        moved = num_accepted if shift is None else shift + num_accepted
+        drafts: list[torch.Tensor] = []
+        for j in range(self.k):
+            if j > 0:  # draft j at the position after the last accepted one + j (host: before the move)
+                step_rows = [ContextRow(row.block_ids, row.start + j, 1, -1, -1, 0, 0) for row in rows]
+                hidden, _ = self.graphs.run(step_rows, [0] * len(rows), [row.start + j for row in rows], hidden,
+                                            decode_only=True, input_ids_from=drafts[-1], shift=moved)
+            logits = self.head.compute_logits(hidden)
+            drafts.append((logits if logits.dtype == torch.float64 else logits.float()).argmax(dim=-1))
+        return DeviceDrafts(num_accepted, torch.stack([next_token, *drafts], dim=1))
 
     # ---- catch-up ------------------------------------------------------------------------------------
     def _catch_up_job(self, r: DraftRequest, output: ModelRunnerOutput) -> _Job | None:

@@ -23,9 +23,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from truespec.forward_context import ForwardContext, set_forward_context
+from truespec.forward_context import set_forward_context
 from truespec.layers.backend import cudagraph_unsupported_reason
-from truespec.worker.input_builder import ContextRow, StepInputs, build_step, packed_size, split_packed
+from truespec.worker.input_builder import ContextRow, StepInputs, build_step, packed_size, shift_positions, split_packed
 
 logger = logging.getLogger("truespec")
 
@@ -43,7 +43,7 @@ class GraphSettings:
 
 class GraphRunner:
     def __init__(self, model: torch.nn.Module, name: str, settings: GraphSettings, device: torch.device,
-                 hidden_size: int | None = None, hidden_dtype: torch.dtype | None = None) -> None:
+                 hidden_size: int | None = None, hidden_dtype: torch.dtype | None = None, num_staging: int = 4) -> None:
         self.model, self.name, self.block_size, self.device = model, name, settings.block_size, device
         self.uses_hidden = bool(getattr(model, "uses_target_hidden", False))
         self.width = settings.max_blocks_per_req
@@ -60,10 +60,13 @@ class GraphRunner:
         top = self.sizes[-1]
         length = packed_size(top, top, self.width)
         self._meta = torch.zeros(length, dtype=torch.int64, device=device)
-        self._staging = torch.zeros(length, dtype=torch.int64, pin_memory=True)
+        # pinned host buffers for the metadata copies, used in turn: the host reuses one only after its copy has
+        # left it, so it may queue up to ``num_staging`` forwards ahead of the device without waiting
+        self._staging = [torch.zeros(length, dtype=torch.int64, pin_memory=True) for _ in range(num_staging)]
+        self._copy_done = [torch.cuda.Event() for _ in range(num_staging)]
+        self._turn = 0
         self._views = {size: split_packed(self._meta, size, size, self.width) for size in self.sizes}
         self._hidden = torch.zeros(top, hidden_size, dtype=hidden_dtype, device=device) if self.uses_hidden else None
-        self._copy_done = torch.cuda.Event()
         eager = "steps with prefill chunks, and " if mode == "FULL_DECODE_ONLY" else ""
         logger.info("%s: cudagraph_mode=%s, capture sizes %s; %ssteps over %d tokens run eagerly",
                     name, mode, self.sizes, eager, top)
@@ -98,31 +101,39 @@ class GraphRunner:
     # ---- one forward ---------------------------------------------------------------------------
     def run(self, rows: list[ContextRow], input_ids: list[int], positions: list[int],
             hidden: torch.Tensor | None = None, decode_only: bool = False,
-            input_ids_from: torch.Tensor | None = None) -> tuple[torch.Tensor, ForwardContext]:
-        """The model's final hidden states [T, H] for the step's T tokens (a fresh tensor), and its context.
+            input_ids_from: torch.Tensor | None = None,
+            shift: torch.Tensor | None = None) -> tuple[torch.Tensor, StepInputs]:
+        """The model's final hidden states [T, H] for the step's T tokens (a fresh tensor), and its inputs.
         ``input_ids_from``: a device tensor whose first T values are the input ids (copied on the device, in
-        stream order, over the host's ``input_ids``)."""
+        stream order, over the host's ``input_ids``). ``shift``: [R] device tensor, request r's positions move
+        that far (``shift_positions``)."""
         num_tokens = len(input_ids)
         size = self._graph_size(num_tokens, decode_only)
         if size is None:
             self.stats["eager"] += 1
             inputs = build_step(rows, input_ids, positions, self.block_size, self.device)
-            if input_ids_from is not None:
-                inputs.input_ids[:num_tokens].copy_(input_ids_from[:num_tokens])
+            self._device_inputs(inputs, num_tokens, len(rows), input_ids_from, shift)
             with set_forward_context(inputs.ctx):
-                return self._call(inputs, None, hidden), inputs.ctx
+                return self._call(inputs, None, hidden), inputs
         self.stats["graph"] += 1
         with torch.cuda.device(self.device):  # the stream of this device, also for device="cuda:N"
-            self._copy_done.synchronize()  # the previous step's copy has left the staging buffer
-            inputs = self._static_inputs(rows, input_ids, positions, size)
-            self._copy_done.record()
-            if input_ids_from is not None:
-                inputs.input_ids[:num_tokens].copy_(input_ids_from[:num_tokens])
+            turn, self._turn = self._turn, (self._turn + 1) % len(self._staging)
+            self._copy_done[turn].synchronize()  # this staging buffer's last copy has left it
+            inputs = self._static_inputs(rows, input_ids, positions, size, self._staging[turn])
+            self._copy_done[turn].record()
+            self._device_inputs(inputs, num_tokens, len(rows), input_ids_from, shift)
             if hidden is not None:
                 self._hidden[:len(input_ids)].copy_(hidden)
             graph, out = self.graphs[size]
             graph.replay()
-            return out[:num_tokens].clone(), inputs.ctx
+            return out[:num_tokens].clone(), inputs
+
+    def _device_inputs(self, inputs: StepInputs, num_tokens: int, num_reqs: int,
+                       input_ids_from: torch.Tensor | None, shift: torch.Tensor | None) -> None:
+        if input_ids_from is not None:
+            inputs.input_ids[:num_tokens].copy_(input_ids_from[:num_tokens])
+        if shift is not None:
+            shift_positions(inputs, shift, num_tokens, num_reqs, self.block_size)
 
     def _graph_size(self, num_tokens: int, decode_only: bool) -> int | None:
         if not self.graphs or (self.mode == "FULL_DECODE_ONLY" and not decode_only):
@@ -130,9 +141,9 @@ class GraphRunner:
         return next((s for s in self.sizes if s >= num_tokens), None)
 
     def _static_inputs(self, rows: list[ContextRow], input_ids: list[int], positions: list[int],
-                       size: int) -> StepInputs:
+                       size: int, staging: torch.Tensor | None = None) -> StepInputs:
         return build_step(rows, input_ids, positions, self.block_size, self.device, pad_to=size, width=self.width,
-                          out=self._meta, staging=self._staging, views=self._views[size])
+                          out=self._meta, staging=staging, views=self._views[size])
 
     def _call(self, inputs: StepInputs, size: int | None, hidden: torch.Tensor | None = None) -> torch.Tensor:
         if not self.uses_hidden:

@@ -13,6 +13,8 @@ import torch
 
 from truespec.forward_context import ForwardContext
 from truespec.kv_cache.layout import kv_slots
+from truespec.layers.backend import kernels, use_kernels
+from truespec.ops.spec_step import move_positions_ref
 
 
 @dataclass
@@ -120,3 +122,18 @@ def build_forward_context(rows: list[ContextRow], block_size: int, device: torch
     """Only the metadata of an unpadded step (token ids and positions left at 0)."""
     num_tokens = sum(row.query_len for row in rows)
     return build_step(rows, [0] * num_tokens, [0] * num_tokens, block_size, device).ctx
+
+
+
+def shift_positions(inputs: StepInputs, shift: torch.Tensor, num_tokens: int, num_reqs: int, block_size: int) -> None:
+    """Move request r's query ``shift[r]`` positions further, in place and on the device (a step planned before
+    the previous one's accepted counts were read: docs/ARCHITECTURE.md, "Speculative steps queued ahead").
+
+    Positions, context lengths and state sources move by the shift; the KV slots are looked up again in the block
+    tables (a position past a request's blocks gets slot -1 and is not written). Queued in stream order: no host
+    read, so the host goes on while the device computes ``shift``."""
+    ctx = inputs.ctx
+    move = kernels().move_positions if use_kernels(shift) else move_positions_ref
+    move(inputs.positions, ctx.seq_lens, ctx.state_src, ctx.slot_mapping, ctx.block_tables,
+         ctx.query_start_loc[:num_reqs + 1], shift, num_tokens, block_size)
+    ctx.seq_lens_cpu = ctx.state_cpu = None  # the host copies no longer hold

@@ -6,6 +6,7 @@ random streams of sampling requests; it never reads or changes engine objects.
 """
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -15,7 +16,7 @@ from truespec.layers.rejection_sampler import emitted_tokens, greedy_verify, rej
 from truespec.layers.sampler import request_generator
 from truespec.sampling_params import SamplingParams
 from truespec.worker.graph_runner import GraphRunner, GraphSettings
-from truespec.worker.input_builder import ContextRow
+from truespec.worker.input_builder import ContextRow, StepInputs
 from truespec.worker.prompt_logprobs import QueuedPromptLogprobs, prompt_logprobs_entries, queue_prompt_logprobs
 from truespec.worker.runner_output import ModelRunnerOutput
 
@@ -36,6 +37,14 @@ class LaunchedStep:
     offsets: list[int] = field(default_factory=list)
     prompt_logprobs: QueuedPromptLogprobs | None = None  # of the requests with prompt logprobs due (host copies)
     done: "torch.cuda.Event | None" = None  # recorded after the copies to the host
+    # the forward's rows and positions as the host built them, and its device inputs (for a drafter's catch-up)
+    rows: list[ContextRow] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    inputs: StepInputs | None = None
+    shift: torch.Tensor | None = None  # [R] on the device: how far its positions were moved (a step queued ahead)
+    ids_at: int | None = None  # with ``shift``: where the step's input ids (drafts unknown to the host) start in
+    # ``values_host``
+    device_drafts: Any = None  # spec_decode.device_drafts.DeviceDrafts queued behind it, if any
 
 
 class ModelRunner:
@@ -74,23 +83,27 @@ class ModelRunner:
         return self.collect(self.launch(sched))
 
     @torch.inference_mode()
-    def launch(self, sched: SchedulerOutput, input_ids_from: torch.Tensor | None = None) -> LaunchedStep:
+    def launch(self, sched: SchedulerOutput, input_ids_from: torch.Tensor | None = None,
+               shift: torch.Tensor | None = None) -> LaunchedStep:
         """Queue a step's forward, logits and tokens (and the prompt logprobs due) on the device, without waiting.
 
         ``input_ids_from``: a device tensor whose first T values replace the step's T input ids (async
-        scheduling: the previous step's argmax, still being computed, feeds this step's decodes)."""
+        scheduling: the previous step's argmax or drafts, still being computed, feed this step). ``shift``: [R]
+        device tensor, request r's positions move that far (a verify queued before the previous step's
+        accepted counts were read); its drafts are then read back with its tokens."""
         for request_id in sched.finished_req_ids:
             self._generators.pop(request_id, None)
         scheduled = sched.scheduled
         rows, input_ids, positions = self.prepare(scheduled)
         decode_only = all(r.num_new_tokens == 1 for r in scheduled)
-        hidden, ctx = self.graphs.run(rows, input_ids, positions, decode_only=decode_only,
-                                      input_ids_from=input_ids_from)
+        hidden, inputs = self.graphs.run(rows, input_ids, positions, decode_only=decode_only,
+                                         input_ids_from=input_ids_from, shift=shift)
+        ctx = inputs.ctx
         logits = self.model.compute_logits(hidden[ctx.logits_indices])
         logits = logits if logits.dtype == torch.float64 else logits.float()
         output = ModelRunnerOutput([r.request_id for r in scheduled], hidden_states=hidden,
                                    query_start_loc=ctx.query_start_loc_cpu)
-        step = LaunchedStep(sched, logits, output)
+        step = LaunchedStep(sched, logits, output, rows=rows, positions=positions, inputs=inputs, shift=shift)
         row = 0
         for r in scheduled:  # rows [row, row + 1 + drafts) of the requests whose last chunk ran
             n = r.num_logits
@@ -128,6 +141,9 @@ class ModelRunner:
                                                  r.params, self._generator(r.request_id, r.params)))
             step.offsets.append(offset)
             offset += len(values[-1])
+        if step.shift is not None:
+            step.ids_at = offset
+            values.append(step.inputs.input_ids[:len(step.positions)])
         if values:
             step.values_host = torch.cat(values).to("cpu", non_blocking=True)
 
@@ -146,13 +162,17 @@ class ModelRunner:
         values = step.values_host.tolist() if step.values_host is not None else []  # the step's one host read
         out = step.output
         out.prompt_logprobs = prompt_logprobs_entries(step.prompt_logprobs, step.sched.scheduled)
-        for r, (start, n), at in zip(step.sched.scheduled, step.spans, step.offsets, strict=True):
+        qsl = out.query_start_loc
+        for i, (r, (start, n), at) in enumerate(zip(step.sched.scheduled, step.spans, step.offsets, strict=True)):
             if n == 0:
                 out.sampled_token_ids.append([])
                 out.logprobs.append(None)
                 continue
+            drafts = r.draft_token_ids
+            if step.ids_at is not None:  # drafted on the device: the host learns them here
+                drafts = values[step.ids_at + qsl[i] + 1:step.ids_at + qsl[i + 1]]
             if r.params.is_greedy:  # the argmax of its 1 + d rows
-                tokens = greedy_verify(r.draft_token_ids, values[at:at + n])
+                tokens = greedy_verify(drafts, values[at:at + n])
             else:  # its d accept flags and 1 + d samples
                 tokens = emitted_tokens(r.draft_token_ids, values[at:at + 2 * n - 1])
             out.sampled_token_ids.append(tokens)

@@ -1,0 +1,69 @@
+"""Where a speculative step's time goes: one greedy request (or a batch), MTP / EAGLE with each step planned on the
+host after the previous one's read or queued ahead (``async_scheduling=True``), under torch.profiler; prints per
+configuration the wall time and GPU kernel time per step and the ops that took the most host (or, with
+``--sort self_cuda_time_total``, GPU) time.
+
+    python3 benchmarks/profile_spec_step.py [--batch-size 1] [--max-tokens 64] [--top 18] [--sort KEY]
+"""
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from truespec import LLM, SamplingParams
+from truespec.assets import DEFAULT_EAGLE_DIR
+
+PROMPTS = Path(__file__).resolve().parent / "prompts" / "heldout.jsonl"
+CONFIGS = {
+    "none": (None, {}),
+    "mtp k=3": ({"method": "mtp", "num_speculative_tokens": 3}, {}),
+    "mtp k=3 ahead": ({"method": "mtp", "num_speculative_tokens": 3}, {"async_scheduling": True}),
+    "eagle k=3": ({"method": "eagle", "num_speculative_tokens": 3, "model": str(DEFAULT_EAGLE_DIR)}, {}),
+    "eagle k=3 ahead": ({"method": "eagle", "num_speculative_tokens": 3, "model": str(DEFAULT_EAGLE_DIR)},
+                        {"async_scheduling": True}),
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--batch-size", type=int, default=1)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--top", type=int, default=18)
+    parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    parser.add_argument("--sort", default="self_cpu_time_total", help="or self_cuda_time_total (GPU kernels)")
+    args = parser.parse_args()
+    rows = [json.loads(line) for line in PROMPTS.read_text().splitlines()]
+    prompts = [r["prompt"] for r in rows if r["kind"] == "edit"][:args.batch_size]
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+    for name in args.configs:
+        spec, kwargs = CONFIGS[name]
+        llm = LLM(dtype="bfloat16", device="cuda", max_model_len=2048, max_num_seqs=args.batch_size,
+                  speculative_config=spec, **kwargs)
+        llm.generate(prompts, params, use_tqdm=False)
+        steps_before = llm.get_metrics().get("num_steps", 0)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - start
+        steps = llm.get_metrics().get("num_steps", 0) - steps_before
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            llm.generate(prompts, params, use_tqdm=False)
+            torch.cuda.synchronize()
+        print(f"\n=== {name}: {1e3 * wall:.1f} ms for {args.max_tokens} tokens x {args.batch_size}, {steps} steps "
+              f"({1e3 * wall / max(steps, 1):.3f} ms / step), async steps "
+              f"{llm.llm_engine.overlap.num_async_steps}")
+        events = prof.key_averages()
+        gpu_us = sum(e.self_device_time_total for e in events)
+        print(f"GPU kernel time {gpu_us / 1e3:.1f} ms ({gpu_us / 1e3 / max(steps, 1):.3f} ms / step)")
+        print(events.table(sort_by=args.sort, row_limit=args.top, max_name_column_width=48))
+        del llm
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()

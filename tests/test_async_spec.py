@@ -1,0 +1,192 @@
+"""Speculative steps queued ahead (engine/async_scheduler.py, spec_decode/device_drafts.py): a verify planned
+before the previous step's accepted counts are read, its positions moved on the device and its drafts made there,
+gives the tokens of the run without speculation (float64), with stops, min_tokens, max_tokens, aborts, failures
+and preemption inside an accepted run, and leaks nothing."""
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers.engine import random_prompts
+from truespec import LLM, SamplingParams
+from truespec.assets import DEFAULT_EAGLE_DIR, DEFAULT_MODEL_DIR
+from truespec.layers.rejection_sampler import greedy_verify
+from truespec.spec_decode.device_drafts import greedy_accepted
+from truespec.worker.input_builder import ContextRow, build_step, shift_positions
+
+PROMPTS = Path(__file__).resolve().parents[1] / "benchmarks" / "prompts" / "heldout.jsonl"
+SPEC = {"mtp": {"method": "mtp", "num_speculative_tokens": 3},
+        "eagle": {"method": "eagle", "num_speculative_tokens": 3, "model": str(DEFAULT_EAGLE_DIR)}}
+
+
+def test_device_acceptance_equals_the_host_verify() -> None:
+    """Ragged batches of 0..k drafts, each accepted up to a random point: the device's accepted counts and next
+    tokens are the host's ``greedy_verify``."""
+    rng = random.Random(0)
+    for _ in range(200):
+        k, num_reqs = rng.randint(0, 5), rng.randint(1, 6)
+        input_ids, argmax, qsl, expected = [], [], [0], []
+        for _ in range(num_reqs):
+            d = rng.randint(0, k)
+            target = [rng.randrange(50) for _ in range(d + 1)]  # the argmax of the request's 1 + d rows
+            cut = rng.randint(0, d)  # drafts 0 .. cut - 1 equal the target's, then one differs (or none are left)
+            drafts = target[:cut] + [(t + 1) % 50 for t in target[cut:d]]
+            input_ids += [rng.randrange(50)] + drafts
+            argmax += target
+            qsl.append(qsl[-1] + d + 1)
+            expected.append(greedy_verify(drafts, target))
+        num_accepted, next_token = greedy_accepted(torch.tensor(argmax), torch.tensor(input_ids), torch.tensor(qsl), k)
+        device = [argmax[q:q + a] + [t] for q, a, t in zip(qsl[:-1], num_accepted.tolist(), next_token.tolist(),
+                                                           strict=True)]
+        assert device == expected
+
+
+@pytest.mark.parametrize("pad_to", [None, 16])
+def test_moved_positions_equal_building_at_them(pad_to: int | None) -> None:
+    """Shifting a built step on the device gives the positions, context lengths, state sources and KV slots of a
+    step built at the moved positions; a position past the request's blocks gets slot -1; padding stays inert."""
+    block_size, rng = 4, random.Random(1)
+    for _ in range(50):
+        rows, moved, shifts = [], [], []
+        for r in range(rng.randint(1, 4)):
+            blocks = rng.sample(range(40), 5)
+            start, query_len, shift = rng.randint(0, 8), rng.randint(1, 4), rng.randint(0, 4)
+            src = -1 if r == 0 and start == 0 else 10 * r
+            rows.append(ContextRow(blocks, start, query_len, src, 10 * r, 0, query_len))
+            moved.append(ContextRow(blocks, start + shift, query_len, src + shift if src >= 0 else -1, 10 * r, 0,
+                                    query_len))
+            shifts.append(shift)
+        ids = [rng.randrange(100) for row in rows for _ in range(row.query_len)]
+        positions = [row.start + t for row in rows for t in range(row.query_len)]
+        inputs = build_step(rows, ids, positions, block_size, torch.device("cpu"), pad_to=pad_to, width=5)
+        shift_positions(inputs, torch.tensor(shifts), len(ids), len(rows), block_size)
+        expected = build_step(moved, ids, [row.start + t for row in moved for t in range(row.query_len)], block_size,
+                              torch.device("cpu"), pad_to=pad_to, width=5)
+        for name in ("seq_lens", "slot_mapping", "state_src", "state_dst", "query_start_loc", "block_tables"):
+            assert torch.equal(getattr(inputs.ctx, name), getattr(expected.ctx, name)), name
+        assert torch.equal(inputs.positions, expected.positions)
+    rows = [ContextRow([3], 1, 3, 0, 0, 0, 3)]  # positions 1..3 moved by 2: 4 and 5 lie past the one block of 4
+    inputs = build_step(rows, [1, 2, 3], [1, 2, 3], block_size, torch.device("cpu"), width=1)
+    shift_positions(inputs, torch.tensor([2]), 3, 1, block_size)
+    assert inputs.ctx.slot_mapping.tolist() == [3 * block_size + 3, -1, -1]
+
+
+@pytest.fixture(scope="module")
+def embedded() -> tuple[list[str], list[list[int]]]:
+    """Six held-out prompts (two of each kind) and the embedded model's 32 greedy tokens for each, no speculation."""
+    rows = [json.loads(line) for line in PROMPTS.read_text().splitlines()]
+    prompts = [p for kind in ("edit", "completion", "chat")
+               for p in [r["prompt"] for r in rows if r["kind"] == kind][:2]]
+    base = LLM(str(DEFAULT_MODEL_DIR), dtype="float64", device="cpu", max_model_len=2048)
+    greedy = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    return prompts, [o.outputs[0].token_ids for o in base.generate(prompts, greedy, use_tqdm=False)]
+
+
+def varied_params(reference: list[list[int]]) -> list[SamplingParams]:
+    """A stop token midway (the request stops inside an accepted run), min_tokens, a short max_tokens."""
+    return [SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, stop_token_ids=[reference[0][13]]),
+            SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, min_tokens=9),
+            SamplingParams(temperature=0, max_tokens=7, ignore_eos=True),
+            SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, stop_token_ids=[reference[3][20]]),
+            SamplingParams(temperature=0, max_tokens=32, ignore_eos=True),
+            SamplingParams(temperature=0, max_tokens=19, ignore_eos=True)]
+
+
+def expected_tokens(reference: list[list[int]], params: list[SamplingParams]) -> list[list[int]]:
+    """The reference cut where each request's params stop it."""
+    out = []
+    for tokens, p in zip(reference, params, strict=True):
+        tokens = tokens[:p.max_tokens]
+        stops = [i for i, t in enumerate(tokens) if t in p.stop_token_ids and i >= p.min_tokens]
+        out.append(tokens[:stops[0] + 1] if stops else tokens)
+    return out
+
+
+def spec_engine(method: str, async_scheduling: bool, **kwargs: object) -> LLM:
+    settings = dict(dtype="float64", device="cpu", max_model_len=2048) | kwargs
+    return LLM(str(DEFAULT_MODEL_DIR), speculative_config=SPEC[method], async_scheduling=async_scheduling,
+               **settings)
+
+
+def assert_all_free(llm: LLM) -> None:
+    info = llm.cache_info()
+    assert info["num_free_blocks"] == info["num_blocks"]
+    assert info["num_free_state_slots"] == info["num_state_slots"]
+    assert llm.llm_engine.overlap.inflight is None
+
+
+@pytest.mark.parametrize("method, max_num_seqs", [("mtp", 1), ("mtp", 6), ("eagle", 4)])
+def test_queued_verifies_give_the_tokens_without_speculation(embedded: tuple, method: str,
+                                                             max_num_seqs: int) -> None:
+    prompts, reference = embedded
+    params = varied_params(reference)
+    llm = spec_engine(method, True, max_num_seqs=max_num_seqs, max_num_batched_tokens=256)
+    out = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert out == expected_tokens(reference, params)
+    metrics = llm.get_metrics()
+    assert metrics["num_accepted_tokens"] > 0.5 * metrics["num_drafts"]  # accepted runs, not just rejections
+    # verifies really were queued ahead (not while a request waits for room, nor after one finishes)
+    assert llm.llm_engine.overlap.num_async_steps >= 0.3 * metrics["num_steps"]
+    assert_all_free(llm)
+
+
+def test_abort_and_failure_while_a_verify_is_queued(embedded: tuple, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An abort, then a failing step, while a verify is queued: the others' tokens are unchanged, nothing leaks."""
+    prompts, reference = embedded
+    greedy = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    llm = spec_engine("mtp", True)
+    engine = llm.llm_engine
+    ids = [engine.add_request(p, greedy) for p in prompts[:3]]
+    seqs = [engine.seqs[i] for i in ids]
+    for _ in range(4):
+        engine.step()
+    assert engine.overlap.inflight is not None and engine.overlap.inflight.shift is not None
+    engine.abort_request(ids[1])
+    for _ in range(3):  # the step after the abort is planned on the host, then they are queued again
+        engine.step()
+    assert engine.overlap.inflight is not None
+    real = engine.runner.collect
+
+    def fail(*args: object, **kwargs: object) -> object:
+        real(*args, **kwargs)
+        raise RuntimeError("injected failure")
+
+    monkeypatch.setattr(engine.runner, "collect", fail)
+    with pytest.raises(RuntimeError, match="injected"):
+        engine.step()
+    monkeypatch.undo()
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert seqs[1].finish_reason == "abort"
+    assert [seqs[0].output_token_ids, seqs[2].output_token_ids] == [reference[0], reference[2]]
+    assert_all_free(llm)
+
+
+def test_queued_verifies_under_kv_pressure_and_arrivals(tiny_models: dict[str, Path],
+                                                        hybrid_with_heads: dict[str, Path]) -> None:
+    """A random MTP head (few accepted drafts) on the tiny hybrid, too few KV blocks (preemption; a verify is not
+    queued when its worst-case blocks do not fit), and requests arriving while verifies are queued."""
+    target = str(hybrid_with_heads["target"])
+    prompts = random_prompts([50, 8, 120, 30, 70, 12], seed=7)
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    base = LLM(target, dtype="float64", device="cpu", max_model_len=256)
+    reference = [o.outputs[0].token_ids for o in base.generate(prompts, greedy, use_tqdm=False)]
+    llm = LLM(target, dtype="float64", device="cpu", max_model_len=256, async_scheduling=True,
+              speculative_config=SPEC["mtp"], num_gpu_blocks_override=24, max_num_batched_tokens=32)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)] == reference
+    assert llm.llm_engine.scheduler.num_preemptions > 0 and llm.llm_engine.overlap.num_async_steps > 0
+    assert_all_free(llm)
+
+    engine = llm.llm_engine
+    ids, outputs, step = [engine.add_request(prompts[0], greedy)], {}, 0
+    while engine.has_unfinished_requests():
+        if step in (3, 5, 9, 14, 20):
+            ids.append(engine.add_request(prompts[len(ids)], greedy))
+        for out in engine.step():
+            outputs[out.request_id] = out.outputs[0].token_ids
+        step += 1
+    assert [outputs[i] for i in ids] == reference
+    assert_all_free(llm)

@@ -1,0 +1,71 @@
+"""kernels/spec_step.py against its torch references (ops/spec_step.py) on random ragged batches: the moved
+positions, context lengths, state sources and KV slots of a step queued ahead (padding rows untouched, positions
+past a request's blocks get slot -1), and a greedy verify's accepted counts and next tokens."""
+
+import random
+
+import pytest
+import torch
+
+from helpers.kernels import DEVICE, gpu, needs_cuda
+from truespec.kernels import greedy_accepted, greedy_accepted_ref, move_positions, move_positions_ref
+
+
+def random_step(rng: random.Random, width: int, block_size: int, num_pad: int) -> dict:
+    qsl, positions, tables, src = [0], [], [], []
+    for r in range(rng.randint(1, 6)):
+        query_len, start = rng.randint(1, 5), rng.randint(0, width * block_size - 3)
+        qsl.append(qsl[-1] + query_len)
+        positions += range(start, start + query_len)
+        tables.append([rng.randrange(100) if c < rng.randint(1, width) else -1 for c in range(width)])
+        src.append(-1 if rng.random() < 0.3 else 7 * r)
+    num_reqs, num_tokens = len(src), len(positions)
+    return {"positions": torch.tensor(positions + [0] * num_pad), "seq_lens": torch.randint(1, 50, (num_reqs,)),
+            "state_src": torch.tensor(src), "slot_mapping": torch.full((num_tokens + num_pad,), -1),
+            "block_tables": torch.tensor(tables), "query_start_loc": torch.tensor(qsl),
+            "shift": torch.randint(0, 4, (num_reqs,)), "num_tokens": num_tokens, "block_size": block_size}
+
+
+def check_move_positions(device: torch.device, trials: int) -> None:
+    rng = random.Random(0)
+    for _ in range(trials):
+        step = random_step(rng, width=4, block_size=4, num_pad=3)
+        tensors = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in step.items()}
+        expected = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in step.items()}
+        move_positions(**tensors)
+        move_positions_ref(**expected)
+        for name in ("positions", "seq_lens", "state_src", "slot_mapping"):
+            assert torch.equal(tensors[name].cpu(), expected[name]), name
+        assert (expected["slot_mapping"][step["num_tokens"]:] == -1).all()  # padding untouched
+
+
+def check_greedy_accepted(device: torch.device, trials: int) -> None:
+    rng = random.Random(1)
+    for _ in range(trials):
+        qsl, argmax, ids = [0], [], []
+        for _ in range(rng.randint(1, 6)):
+            d = rng.randint(0, 4)
+            target = [rng.randrange(9) for _ in range(d + 1)]
+            cut = rng.randint(0, d)
+            ids += [rng.randrange(9)] + target[:cut] + [rng.randrange(9) for _ in range(d - cut)]
+            argmax += target
+            qsl.append(qsl[-1] + d + 1)
+        max_drafts = max(b - a for a, b in zip(qsl, qsl[1:], strict=False)) - 1
+        args = [torch.tensor(argmax), torch.tensor(ids), torch.tensor(qsl)]
+        got = greedy_accepted(*(a.to(device) for a in args), max_drafts)
+        assert [g.cpu().tolist() for g in got] == [e.tolist() for e in greedy_accepted_ref(*args, max_drafts)]
+
+
+def test_move_positions_matches_reference() -> None:
+    check_move_positions(DEVICE, 40)
+
+
+def test_greedy_accepted_matches_reference() -> None:
+    check_greedy_accepted(DEVICE, 60)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("check", [check_move_positions, check_greedy_accepted])
+def test_spec_step_kernels_on_the_gpu(check: object) -> None:
+    check(torch.device("cuda"), 300)
