@@ -230,12 +230,17 @@ def test_bool_token_ids_rejected(llm: LLM) -> None:
         llm.generate({"prompt_token_ids": [True, 2]}, GREEDY, use_tqdm=False)
 
 
+@pytest.mark.parametrize("method", [None, "mtp"])
 @pytest.mark.parametrize("async_scheduling", [False, True])
-def test_a_dropped_llm_frees_its_cache_at_once(tiny_models: dict[str, Path], async_scheduling: bool) -> None:
+def test_a_dropped_llm_frees_its_cache_at_once(tiny_models: dict[str, Path], hybrid_with_heads: dict[str, Path],
+                                               async_scheduling: bool, method: str | None) -> None:
     """No reference cycle keeps an engine and its caches alive once its LLM is dropped (a test run or a server that
-    replaces its LLM gets the memory back without waiting for the garbage collector)."""
-    llm = LLM(str(tiny_models["hybrid"]), dtype="float64", device="cpu", max_model_len=128,
-              async_scheduling=async_scheduling)
+    replaces its LLM gets the memory back without waiting for the garbage collector), with or without a drafter
+    and verifies queued ahead."""
+    model = tiny_models["hybrid"] if method is None else hybrid_with_heads["target"]
+    spec = None if method is None else {"method": method, "num_speculative_tokens": 2}
+    llm = LLM(str(model), dtype="float64", device="cpu", max_model_len=128, async_scheduling=async_scheduling,
+              speculative_config=spec)
     llm.generate(random_prompts([5, 9]), GREEDY, use_tqdm=False)
     engine = weakref.ref(llm.llm_engine)
     gc.disable()

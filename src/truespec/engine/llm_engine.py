@@ -69,6 +69,10 @@ class LLMEngine:
                                       graphs, self.hf_config.hidden_size)
         self.spec_metrics = SpecDecodeMetrics(k)
         self.draft_length = DraftLengthPolicy(k, spec.min_draft_acceptance if spec is not None else None)
+        # the drafts a request's next step verifies (a closure, not a bound method: the async scheduler keeps it,
+        # and a reference back to the engine would keep a dropped engine's caches alive until the cycle collector)
+        self.num_drafts = _draft_counter(self.draft_length, self.spec_metrics, self.scheduler,
+                                         spec.disable_by_batch_size if spec is not None else None)
         self.seqs: dict[str, Sequence] = {}
         self._ids = itertools.count()
         is_async = config.async_scheduling if config.async_scheduling is not None else self.device.type == "cuda"
@@ -78,7 +82,7 @@ class LLMEngine:
         drafter = self.proposer if queue_verifies else None
         self.overlap = AsyncScheduler(self.scheduler, self.runner, self.seqs,
                                       enabled=is_async and self.proposer is None, drafter=drafter,
-                                      num_drafts=self._num_drafts_ahead)
+                                      num_drafts=self.num_drafts)
         # called after a request's tokens of a step are applied, with its number of accepted drafts (tests and
         # `truespec verify --debug-fault` observe or perturb the engine through these)
         self.update_hooks: list[Callable[[Sequence, int], None]] = []
@@ -209,13 +213,12 @@ class LLMEngine:
         if self.proposer is None:
             return
         self.draft_length.forget(sched.finished_req_ids)
-        requests, limit = [], self.config.speculative_config.disable_by_batch_size
-        may_draft = limit is None or len(self.scheduler.running) < limit  # else: the drafters only catch up
+        requests = []
         for i, r in enumerate(sched.scheduled):
             seq = self.seqs.get(r.request_id)
             if seq is None or seq.is_finished:
                 continue
-            num_drafts = self._num_drafts(r.request_id) if output.sampled_token_ids[i] and may_draft else 0
+            num_drafts = self.num_drafts(r.request_id) if output.sampled_token_ids[i] else 0
             requests.append(DraftRequest(
                 r.request_id, r.params, seq.prompt_token_ids, seq.output_token_ids, r.num_computed_tokens,
                 seq.num_computed_tokens, i, r.block_ids, r.first_state_slot, num_drafts > 0,
@@ -236,21 +239,8 @@ class LLMEngine:
             seq = self.seqs.get(r.request_id)
             if seq is None or seq.is_finished or not output.sampled_token_ids[i]:
                 continue
-            num_drafts = min(self._num_drafts_ahead(r.request_id), self.scheduler.max_drafts(seq))
+            num_drafts = min(self.num_drafts(r.request_id), self.scheduler.max_drafts(seq))
             seq.draft_token_ids, seq.draft_probs = next_ids[i][1:1 + num_drafts], None
-
-    def _num_drafts_ahead(self, request_id: str) -> int:
-        """Drafts the request's next step verifies (0 past ``disable_by_batch_size``), counted."""
-        limit = self.config.speculative_config.disable_by_batch_size
-        if limit is not None and len(self.scheduler.running) >= limit:
-            return 0
-        return self._num_drafts(request_id)
-
-    def _num_drafts(self, request_id: str) -> int:
-        """What the draft-length policy gives the request's next step (0: it only catches up), counted."""
-        num_drafts = self.draft_length.num_drafts(request_id)
-        self.spec_metrics.num_draft_skips += num_drafts == 0
-        return num_drafts
 
     def _restart(self, sched: SchedulerOutput) -> None:
         """After an error in a step: every request of the step (and of a step queued after it) restarts from its
@@ -293,6 +283,20 @@ class LLMEngine:
 
     def cache_info(self) -> dict[str, int]:
         return self.kv.cache_info() | {"kv_bytes_per_token": self.runner.kv_bytes_per_token}
+
+
+def _draft_counter(policy: DraftLengthPolicy, metrics: SpecDecodeMetrics, scheduler: Scheduler,
+                   disable_by_batch_size: int | None) -> Callable[[str], int]:
+    """``num_drafts(request_id)``: what the draft-length policy gives the request's next step (a step it skips is
+    counted), or 0 without asking it when ``disable_by_batch_size`` requests or more are running (the drafters
+    then only catch up)."""
+    def num_drafts(request_id: str) -> int:
+        if disable_by_batch_size is not None and len(scheduler.running) >= disable_by_batch_size:
+            return 0
+        count = policy.num_drafts(request_id)
+        metrics.num_draft_skips += count == 0
+        return count
+    return num_drafts
 
 
 def _resolve_device(device: str) -> torch.device:
