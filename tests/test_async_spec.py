@@ -190,3 +190,24 @@ def test_queued_verifies_under_kv_pressure_and_arrivals(tiny_models: dict[str, P
         step += 1
     assert [outputs[i] for i in ids] == reference
     assert_all_free(llm)
+
+
+@pytest.mark.parametrize("method", ["mtp", "eagle"])
+def test_draft_chain_gives_the_drafts_of_the_launches(embedded: tuple, method: str) -> None:
+    """The one-replay drafting of a uniform step (spec_decode/draft_chain.py), run op by op on CPU in float64:
+    the tokens of the run without speculation, and it really drafted (captured, it is the same code)."""
+    from truespec.spec_decode.draft_chain import DraftChain
+
+    prompts, reference = embedded
+    greedy = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    llm = spec_engine(method, True, max_num_seqs=4, max_num_batched_tokens=256)
+    drafter = llm.llm_engine.proposer
+    width = -(-(2048 + 3 + 1) // 16)
+    drafter.chain = DraftChain(drafter.head, 3, [1, 2, 4, 8], width, 16, llm.llm_engine.hf_config.hidden_size,
+                               torch.device("cpu"))
+    real_run, calls = drafter.chain.run, []
+    drafter.chain.run = lambda *args: calls.append(len(args[4]) - 1) or real_run(*args)
+    out = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+    assert out == reference
+    assert len(calls) > 10 and max(calls) > 1  # batches of several requests went through the chain
+    assert_all_free(llm)

@@ -50,9 +50,8 @@ class AsyncScheduler:
         """Queue a step, and behind it the drafter's work on the device when every request of it is greedy."""
         step = self.runner.launch(sched, input_ids_from, shift)
         if self._drafts_on_device(sched, is_ahead=shift is not None):
-            qsl = step.inputs.ctx.query_start_loc[:len(sched.scheduled) + 1]
             step.device_drafts = self.drafter.draft_on_device(
-                step.rows, step.positions, step.output.hidden_states, step.argmax, step.inputs.input_ids, qsl, shift,
+                step.rows, step.positions, step.output.hidden_states, step.argmax, step.inputs, shift,
                 sched.finished_req_ids)
         return step
 

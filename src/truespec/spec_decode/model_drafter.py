@@ -23,9 +23,10 @@ import torch
 from truespec.kv_cache.layout import allocate_caches, state_bytes_per_slot
 from truespec.layers.sampler import probabilities, request_generator
 from truespec.spec_decode.device_drafts import DeviceDrafts, greedy_accepted
+from truespec.spec_decode.draft_chain import DraftChain
 from truespec.spec_decode.interface import DraftRequest, Drafts
 from truespec.worker.graph_runner import GraphRunner, GraphSettings
-from truespec.worker.input_builder import ContextRow
+from truespec.worker.input_builder import ContextRow, StepInputs
 from truespec.worker.runner_output import ModelRunnerOutput
 
 
@@ -58,8 +59,15 @@ class ModelDrafter:
         self.graphs = GraphRunner(head, f"drafter ({type(head).__name__})", graphs, device, hidden_size, head.dtype,
                                   num_staging=2 * (k + 1) + 2)
         self.graphs.capture()  # the drafter replays graphs whenever the target does
-        # a head without recurrent state drafts greedy steps on the device, queued behind the target's forward
+        # a head without recurrent state drafts greedy steps on the device, queued behind the target's forward; with
+        # graphs, a uniform step's whole drafting is one replay (draft_chain.py)
         self.can_draft_on_device = self.uses_target_hidden and state_bytes_per_slot(head) == 0
+        self.chain = None
+        if self.can_draft_on_device and self.graphs.enabled:
+            self.chain = DraftChain(head, k, self.graphs.sizes, graphs.max_blocks_per_req, graphs.block_size,
+                                    hidden_size, device)
+            with torch.cuda.device(device):
+                self.chain.capture()
 
     @torch.inference_mode()
     def propose(self, requests: list[DraftRequest], output: ModelRunnerOutput,
@@ -83,22 +91,28 @@ class ModelDrafter:
 
     @torch.inference_mode()
     def draft_on_device(self, rows: list[ContextRow], positions: list[int], hidden: torch.Tensor,
-                        argmax: torch.Tensor, input_ids: torch.Tensor, query_start_loc: torch.Tensor,
-                        shift: torch.Tensor | None, finished_req_ids: list[str]) -> DeviceDrafts:
+                        argmax: torch.Tensor, inputs: StepInputs, shift: torch.Tensor | None,
+                        finished_req_ids: list[str]) -> DeviceDrafts:
         """Queue a greedy step's acceptance, catch-up and k drafts per request on the device, nothing read back.
 
         ``rows`` / ``positions``: the target step's, as the host built them (``shift``: how far the device moved
-        them); ``hidden``, ``argmax``, ``input_ids`` [T] and ``query_start_loc`` [R + 1]: the step's, on the
-        device. The catch-up covers every query row, each with the target's argmax of it as the token after it:
-        up to the last accepted draft that is the draft, then the next token; the rows after it write KV at
-        positions the drafts overwrite before anything reads them. The same tokens as ``propose``
-        (tests/test_async_spec.py)."""
+        them); ``hidden``, ``argmax`` [T] and ``inputs`` (ids, moved positions, metadata): the step's, on the
+        device. The catch-up covers every query row, each with the target's argmax of it as the token after it: up
+        to the last accepted draft that is the draft, then the next token; the rows after it write KV at positions
+        the drafts overwrite before anything reads them. The same tokens as ``propose`` (tests/test_async_spec.py).
+        A step whose requests all verify k drafts runs as one graph replay (``DraftChain``) where one is
+        captured."""
         for request_id in finished_req_ids:
             self._generators.pop(request_id, None)
-        num_tokens = len(positions)
+        num_tokens, num_reqs, ctx = len(positions), len(rows), inputs.ctx
+        if self.chain is not None and self.chain.can_run(num_reqs, [row.query_len for row in rows],
+                                                         ctx.block_tables.shape[1]):
+            return self.chain.run(argmax, inputs.input_ids, hidden, inputs.positions,
+                                  ctx.query_start_loc[:num_reqs + 1], ctx.block_tables, num_tokens)
+        query_start_loc = ctx.query_start_loc[:num_reqs + 1]
         max_drafts = max(row.query_len for row in rows) - 1
-        num_accepted, next_token = greedy_accepted(argmax[:num_tokens], input_ids[:num_tokens], query_start_loc,
-                                                   max_drafts)
+        num_accepted, next_token = greedy_accepted(argmax[:num_tokens], inputs.input_ids[:num_tokens],
+                                                   query_start_loc, max_drafts)
         out, _ = self.graphs.run(rows, [0] * num_tokens, positions, hidden[:num_tokens], decode_only=True,
                                  input_ids_from=argmax, shift=shift)
         hidden = out[query_start_loc[:-1] + num_accepted]  # [R, H]: at the last accepted position

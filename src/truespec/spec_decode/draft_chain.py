@@ -1,0 +1,137 @@
+"""A hidden-state head's whole drafting behind a uniform greedy verify, as one CUDA graph replay.
+
+``ModelDrafter.draft_on_device`` queues a step's acceptance, catch-up and k draft steps as separate launches, each
+with metadata packed on the host: on a small target that host work is longer than the device's. When every
+request of the step verifies the same number of drafts (query length q = 1 + k), the chain below does the same
+work inside one captured graph, keyed by the request count padded up to a capture size S:
+
+1. acceptance: request r's drafts are query rows r q + 1 .. r q + k; draft j is accepted while it equals the
+   argmax of the row before it; the next token is the argmax of the row after the last accepted draft;
+2. catch-up: the verify's own rows at its positions (the device's, already moved), each row's token the argmax
+   of that row (as ``draft_on_device``); the first draft from the row of the last accepted position;
+3. draft steps j = 1 .. k - 1: one token per request at position start + accepted + j.
+All metadata is computed on the device inside the graph from five static inputs (argmax, input ids, hidden
+states, start positions, block tables) and the request count; requests past it are inert (no query tokens, KV
+slot -1, context length 0). Every real row computes what the launches of ``draft_on_device`` compute (the
+projections are row invariant, attention is per row), so the drafts are the same (tests/test_gpu_spec_exactness.py).
+"""
+
+import torch
+
+from truespec.forward_context import ForwardContext, set_forward_context
+from truespec.spec_decode.device_drafts import DeviceDrafts
+
+MAX_CHAIN_REQUESTS = 64  # larger batches use draft_on_device's launches (their logits rows would dominate memory)
+
+
+class DraftChain:
+    def __init__(self, head: torch.nn.Module, k: int, sizes: list[int], width: int, block_size: int,
+                 hidden_size: int, device: torch.device) -> None:
+        self.head, self.k, self.q, self.width, self.block_size = head, k, 1 + k, width, block_size
+        self.sizes = [s for s in sorted(sizes) if s <= MAX_CHAIN_REQUESTS]
+        top = self.sizes[-1] if self.sizes else 0
+        long = dict(dtype=torch.int64, device=device)
+        # the step's rows as the verify packed them (request r's 1 + d_r rows from query_start_loc[r])
+        self.argmax = torch.zeros(top * self.q, **long)
+        self.input_ids = torch.zeros(top * self.q, **long)
+        self.hidden = torch.zeros(top * self.q, hidden_size, dtype=head.dtype, device=device)
+        self.positions = torch.zeros(top * self.q, **long)
+        self.query_start_loc = torch.zeros(top + 1, **long)
+        self.tables = torch.full((top, width), -1, **long)
+        self.num_reqs = torch.zeros((), **long)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """One graph per size, largest first, in one memory pool (after the head's caches are allocated)."""
+        pool = None
+        for size in reversed(self.sizes):
+            self._body(size)  # compile / autotune outside the capture
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                accepted, next_ids = self._body(size)
+            pool = graph.pool()
+            self.graphs[size] = (graph, accepted, next_ids)
+
+    def can_run(self, num_reqs: int, query_lens: list[int], width: int) -> bool:
+        return (num_reqs <= (self.sizes[-1] if self.sizes else 0) and all(n <= self.q for n in query_lens)
+                and width <= self.width)
+
+    def run(self, argmax: torch.Tensor, input_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+            query_start_loc: torch.Tensor, tables: torch.Tensor, num_tokens: int) -> DeviceDrafts:
+        """The drafts of a step of R requests of at most q tokens each (``can_run``): its argmax, input ids, hidden
+        states and positions [num_tokens], query_start_loc [R + 1] and block tables [R, <= width], on the device."""
+        num_reqs = len(query_start_loc) - 1
+        size = next(s for s in self.sizes if s >= num_reqs)
+        self.argmax[:num_tokens].copy_(argmax[:num_tokens])
+        self.input_ids[:num_tokens].copy_(input_ids[:num_tokens])
+        self.hidden[:num_tokens].copy_(hidden[:num_tokens])
+        self.positions[:num_tokens].copy_(positions[:num_tokens])
+        self.query_start_loc[:num_reqs + 1].copy_(query_start_loc)
+        if tables.shape[1] < self.width:
+            self.tables[:num_reqs].fill_(-1)
+        self.tables[:num_reqs, :tables.shape[1]].copy_(tables[:num_reqs])
+        self.num_reqs.fill_(num_reqs)
+        if size in self.graphs:
+            graph, accepted, next_ids = self.graphs[size]
+            graph.replay()
+        else:  # not captured (a test on CPU): the same work, launched op by op
+            accepted, next_ids = self._body(size)
+        return DeviceDrafts(accepted[:num_reqs].clone(), next_ids[:num_reqs].clone())
+
+    # ---- what the graph holds ------------------------------------------------------------------------
+    def _body(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        k, num_tokens, last_row = self.k, size * self.q, len(self.argmax) - 1
+        req = torch.arange(size, device=self.argmax.device)
+        is_real = req < self.num_reqs
+        qsl = self.query_start_loc
+        first = torch.where(is_real, qsl[:size], 0)  # request r's first row in the step
+        num_drafts = torch.where(is_real, qsl[1:size + 1] - qsl[:size] - 1, 0)
+        j = torch.arange(k, device=req.device)
+        check = first[:, None] + torch.minimum(j, (num_drafts - 1).clamp(min=0)[:, None])  # row that checks draft j
+        match = (self.argmax[check] == self.input_ids[(check + 1).clamp(max=last_row)]) & (j < num_drafts[:, None])
+        accepted = torch.where(is_real, match.long().cumprod(dim=1).sum(dim=1), 0)
+        next_token = self.argmax[first + accepted]
+        start = self.positions[first]  # the verify's first position (moved by the device when queued ahead)
+        # catch-up: the verify's own rows (request r's 1 + d_r rows from qsl[r]); rows past the last are padding
+        end = qsl.gather(0, self.num_reqs.view(1))  # [1]: the step's token count
+        edge = torch.arange(size + 1, device=req.device)
+        step_qsl = torch.where(edge <= self.num_reqs, qsl[:size + 1], end)
+        token = torch.arange(num_tokens, device=req.device)
+        owner = torch.searchsorted(step_qsl[1:], token, right=True).clamp(max=size - 1)
+        positions = self.positions[:num_tokens]
+        seq_lens = torch.where(is_real, start + num_drafts + 1, 0)
+        ctx = self._context(step_qsl, seq_lens, positions, owner, token < end, size)
+        with set_forward_context(ctx):
+            out = self.head(self.argmax[:num_tokens], positions, self.hidden[:num_tokens])
+        hidden = out[first + accepted]
+        drafts = [self._argmax(hidden)]
+        chain_qsl = torch.minimum(edge, self.num_reqs)  # draft steps: one token per request
+        for step in range(1, k):
+            positions = start + accepted + step
+            ctx = self._context(chain_qsl, torch.where(is_real, positions + 1, 0), positions, req, is_real, size)
+            with set_forward_context(ctx):
+                hidden = self.head(drafts[-1], positions, hidden)
+            drafts.append(self._argmax(hidden))
+        return accepted, torch.stack([next_token, *drafts], dim=1)
+
+    def _context(self, qsl: torch.Tensor, seq_lens: torch.Tensor, positions: torch.Tensor, owner: torch.Tensor,
+                 is_real: torch.Tensor, size: int) -> ForwardContext:
+        """Metadata of a chain forward: token t belongs to request ``owner[t]``; padding requests own no token."""
+        tables = self.tables[:size]
+        column = positions // self.block_size
+        block = tables[owner, column.clamp(max=self.width - 1)]
+        is_held = is_real & (column < self.width) & (block >= 0)
+        slots = torch.where(is_held, block * self.block_size + positions % self.block_size, -1)
+        none = torch.full((size,), -1, dtype=torch.int64, device=qsl.device)
+        num_tokens = len(positions)
+        return ForwardContext(
+            query_start_loc=qsl, seq_lens=seq_lens, slot_mapping=slots, block_tables=tables, state_src=none,
+            state_dst=none, state_write_start=torch.zeros_like(none),
+            logits_indices=torch.arange(num_tokens, device=qsl.device),
+            query_start_loc_cpu=list(range(0, num_tokens + 1, num_tokens // size)), seq_lens_cpu=None)
+
+    def _argmax(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.head.compute_logits(hidden)
+        return (logits if logits.dtype == torch.float64 else logits.float()).argmax(dim=-1)
