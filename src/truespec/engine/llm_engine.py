@@ -52,7 +52,8 @@ class LLMEngine:
             set_batch_invariant(drafter, config.batch_invariant)
         self.stop_checker = StopChecker(self.tokenizer, self.hf_config, config.model)
         self.output_processor = OutputProcessor(self.tokenizer, self.stop_checker)
-        self.runner = ModelRunner(loaded.model, self.device, self.dtype, config.seed, self.stop_checker.eos_token_ids)
+        self.runner = ModelRunner(loaded.model, self.device, self.dtype, config.seed, self.stop_checker.eos_token_ids,
+                                  cache.kv_cache_dtype)
         k, n = config.num_speculative_tokens, config.max_num_seqs
         state_bytes = self.runner.state_bytes_per_slot * n * (1 + k)
         num_blocks = num_kv_blocks(cache, self.runner.kv_bytes_per_token, state_bytes, self.max_model_len, n,
@@ -66,7 +67,7 @@ class LLMEngine:
         self.runner.init_graphs(graphs)
         self.scheduler = Scheduler(self.kv, n, config.max_num_batched_tokens, num_lookahead_tokens(spec))
         self.proposer = make_proposer(spec, drafter, num_blocks, self.kv.num_state_slots, self.device, config.seed,
-                                      graphs, self.hf_config.hidden_size)
+                                      graphs, self.hf_config.hidden_size, cache.kv_cache_dtype)
         self.spec_metrics = SpecDecodeMetrics(k)
         self.draft_length = DraftLengthPolicy(k, spec.min_draft_acceptance if spec is not None else None)
         # the drafts a request's next step verifies (a closure, not a bound method: the async scheduler keeps it,

@@ -61,6 +61,7 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
                              "print both side by side")
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     parser.add_argument("--cudagraph-mode", choices=CUDAGRAPH_MODES, default=None)
+    parser.add_argument("--kv-cache-dtype", default="auto", help="KV cache storage (default auto: the model dtype)")
     parser.add_argument("--no-batch-invariant", dest="batch_invariant", action="store_false",
                         help="cuBLAS / skinny projections instead of the batch-invariant kernel (to measure its cost)")
     parser.add_argument("--num-iters", type=at_least(1), default=1, help="timed generate calls per batch size")
@@ -110,6 +111,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
         kwargs["batch_invariant"] = False
     if args.cudagraph_mode is not None:
         kwargs["compilation_config"] = {"cudagraph_mode": args.cudagraph_mode}
+    if args.kv_cache_dtype != "auto":  # only when asked, as enforce_eager
+        kwargs["kv_cache_dtype"] = args.kv_cache_dtype
     return kwargs
 
 

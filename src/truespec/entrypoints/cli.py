@@ -12,6 +12,7 @@ from truespec.entrypoints.errors import run_command
 from truespec.entrypoints.eval import add_parser as add_eval_parser
 from truespec.entrypoints.prompts_file import check_cli_prompts, load_prompts
 from truespec.entrypoints.verify import DEBUG_FAULTS, KNOBS, baseline_of, format_results, json_object, verify
+from truespec.kv_cache.formats import KV_CACHE_DTYPES
 from truespec.llm import LLM
 from truespec.sampling_params import SamplingParams
 
@@ -65,6 +66,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                        help="KV cache storage (default auto: the model dtype; fp8, TurboQuant presets)")
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                         help="prepare the next decode step while the device runs this one (default: on for CUDA)")
@@ -81,7 +84,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 def engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
     kwargs = dict(model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
                   max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                  block_size=args.block_size, enforce_eager=args.enforce_eager,
+                  block_size=args.block_size, kv_cache_dtype=args.kv_cache_dtype, enforce_eager=args.enforce_eager,
                   compilation_config=args.compilation_config, async_scheduling=args.async_scheduling,
                   batch_invariant=args.batch_invariant)
     kwargs.update({k.name: getattr(args, k.name) for k in KNOBS if getattr(args, k.name) is not None})

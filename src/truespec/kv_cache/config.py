@@ -8,7 +8,8 @@ from dataclasses import dataclass
 
 from truespec.config import EngineConfig, check, is_finite, is_pos_int
 
-KV_CACHE_DTYPES = ("auto",)  # "auto": the model's dtype
+# "auto": the model's dtype; the others are described in formats.py (which imports torch: this module does not)
+KV_CACHE_DTYPES = ("auto", "fp8", "turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc")
 
 
 @dataclass(frozen=True)

@@ -12,12 +12,28 @@ One token's slot for one KV head is its key part followed by its value part; mul
 At head_dim 128 that is 196 / 134 / 118 / 102 bytes for the four TurboQuant presets (bf16: 512), at 256 it is
 388 / 262 / 230 / 198 (bf16: 1024). The TurboQuant presets keep the first and last two attention layers of a
 dense model in the model dtype (``compressed_layers``); ``fp8`` compresses every attention layer, as in vLLM.
+``KVFormat.encode`` / ``decode`` turn K/V into a slot's bytes and back: the store and read of the torch reference
+attention (layers/attention.py), which every compressed format runs today.
 """
 
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from truespec.ops.kv_quant import packed_size
+import torch
+
+from truespec.kv_cache.config import KV_CACHE_DTYPES
+from truespec.ops.kv_quant import (
+    QuantizedKeys,
+    QuantizedValues,
+    dequantize_keys,
+    dequantize_values,
+    fp8_load,
+    fp8_store,
+    packed_size,
+    quantize_keys,
+    quantize_values,
+)
+from truespec.ops.precision import compute_dtype
 
 # what a key or value vector is stored as
 MODEL = "model"  # the model's dtype, unchanged
@@ -25,7 +41,6 @@ FP8 = "fp8"  # float8_e4m3fn with a per-tensor scale
 LLOYD_MAX = "lloyd_max"  # TurboQuant MSE codes of the rotated unit key + fp16 norm
 UNIFORM = "uniform"  # asymmetric min/max codes + fp16 scale and zero
 
-KV_CACHE_DTYPES = ("auto", "fp8", "turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc")
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "attention")
 _NORM_BYTES = 2  # fp16 ||k||
 _SCALE_ZERO_BYTES = 4  # fp16 scale + fp16 zero
@@ -60,6 +75,18 @@ class KVFormat:
     def bytes_per_token(self, head_dim: int, model_dtype_bytes: int = 2) -> int:
         """Bytes one token takes per KV head in a layer of this format: key + value (per-layer scales excluded)."""
         return self.key_bytes(head_dim, model_dtype_bytes) + self.value_bytes(head_dim, model_dtype_bytes)
+
+    # ---- one slot's bytes (the torch reference of the store and the read; formats other than auto) ------------
+    def encode(self, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """k, v [T, H, D] -> uint8 [T, H, bytes_per_token]: each (token, head)'s key part, then its value part."""
+        return torch.cat([_encode(self.key_encoding, self.key_bits, k, is_key=True),
+                          _encode(self.value_encoding, self.value_bits, v, is_key=False)], dim=-1)
+
+    def decode(self, slots: torch.Tensor, head_dim: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """uint8 [S, H, bytes_per_token] -> k, v [S, H, D] in ``dtype`` (keys back in the original basis)."""
+        key_bytes = self.key_bytes(head_dim)
+        keys = _decode(self.key_encoding, self.key_bits, slots[..., :key_bytes], head_dim, dtype, self.norm_correction)
+        return keys, _decode(self.value_encoding, self.value_bits, slots[..., key_bytes:], head_dim, dtype, False)
 
     def check_head_dim(self, head_dim: int) -> None:
         """Raise a ValueError naming ``kv_cache_dtype`` if this format cannot store heads of ``head_dim``."""
@@ -114,6 +141,36 @@ def compressed_layers(layer_types_or_count: Sequence[str] | int, is_hybrid: bool
     if is_hybrid:
         return tuple(attention)
     return tuple(attention[skip_first:max(0, len(attention) - skip_last)])
+
+
+def _encode(encoding: str, bits: int | None, x: torch.Tensor, is_key: bool) -> torch.Tensor:
+    """x [T, H, D] -> uint8 [T, H, vector bytes] (fp16 fields little-endian, as the device stores them)."""
+    if encoding == FP8:
+        return fp8_store(x).view(torch.uint8)
+    if encoding == LLOYD_MAX:
+        keys = quantize_keys(x, bits)
+        return torch.cat([keys.codes, _fp16_bytes(keys.norms)], dim=-1)
+    values = quantize_values(x, bits)
+    return torch.cat([values.codes, _fp16_bytes(values.scales), _fp16_bytes(values.zeros)], dim=-1)
+
+
+def _decode(encoding: str, bits: int | None, raw: torch.Tensor, head_dim: int, dtype: torch.dtype,
+            norm_correction: bool) -> torch.Tensor:
+    """Computed in ``dtype``'s compute dtype (fp32 for 16-bit models: the rotation back is not rounded to 16 bits
+    midway), then rounded to ``dtype`` once."""
+    wide = compute_dtype(dtype)
+    if encoding == FP8:
+        return fp8_load(raw.contiguous().view(torch.float8_e4m3fn), dtype=wide).to(dtype)
+    num_code_bytes = packed_size(head_dim, bits)
+    codes, fields = raw[..., :num_code_bytes], raw[..., num_code_bytes:].contiguous().view(torch.float16)
+    if encoding == LLOYD_MAX:
+        return dequantize_keys(QuantizedKeys(codes, fields[..., 0], bits, head_dim), wide, norm_correction).to(dtype)
+    return dequantize_values(QuantizedValues(codes, fields[..., 0], fields[..., 1], bits, head_dim), wide).to(dtype)
+
+
+def _fp16_bytes(x: torch.Tensor) -> torch.Tensor:
+    """float16 [T, H] -> uint8 [T, H, 2]."""
+    return x.contiguous().view(torch.uint8).view(*x.shape, 2)
 
 
 def _vector_bytes(encoding: str, bits: int | None, head_dim: int, model_dtype_bytes: int) -> int:

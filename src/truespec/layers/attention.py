@@ -7,18 +7,23 @@ request, gathered through ``block_tables[r]``. Drafted tokens' KV is written bef
 exactly as in a plain decode (invariant 4).
 """
 
+import functools
+
 import torch
 from torch import nn
 
 from truespec.forward_context import get_forward_context
 from truespec.layers.backend import kernels, use_kernels
-from truespec.ops.attention import paged_attention_ref, reshape_and_cache_ref
+from truespec.ops.attention import paged_attention_ref, reshape_and_cache_ref, store_packed_ref
 
 
 class PagedAttention(nn.Module):
     """The attention core every full-attention layer owns; it holds the layer's ``kv_cache``.
 
-    kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim] in the model dtype (index 0 = K, 1 = V).
+    kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim] in the model dtype (index 0 = K, 1 = V), or,
+    with a compressed ``kv_format`` (kv_cache/formats.py, bound with the cache), uint8 [num_blocks, block_size,
+    num_kv_heads, bytes per token]: each slot encoded on store and decoded on read, through the torch reference
+    (no Triton kernel reads packed caches yet).
     """
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
@@ -30,6 +35,7 @@ class PagedAttention(nn.Module):
         self.head_dim = head_dim
         self.scale = scale
         self.kv_cache: torch.Tensor | None = None
+        self.kv_format = None  # KVFormat of a compressed cache (encode / decode), None: the model dtype
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, int, int, int, int]:
         return (2, num_blocks, block_size, self.num_kv_heads, self.head_dim)
@@ -41,6 +47,11 @@ class PagedAttention(nn.Module):
             raise RuntimeError("PagedAttention.kv_cache is not bound: the model runner must bind it first")
         ctx = get_forward_context()
         meta = (ctx.query_start_loc, ctx.seq_lens, ctx.block_tables)
+        if self.kv_format is not None:
+            num_tokens = ctx.slot_mapping.shape[0]
+            store_packed_ref(self.kv_format.encode(k[:num_tokens], v[:num_tokens]), self.kv_cache, ctx.slot_mapping)
+            decode = functools.partial(self.kv_format.decode, head_dim=self.head_dim, dtype=q.dtype)
+            return paged_attention_ref(q, self.kv_cache, *meta, self.scale, decode=decode)
         if use_kernels(q):  # one Triton kernel for decode, verify and prefill rows (invariant 4)
             kernels().reshape_and_cache(k, v, self.kv_cache, ctx.slot_mapping)
             return kernels().paged_attention(q, self.kv_cache, *meta, self.scale)

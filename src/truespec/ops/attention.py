@@ -7,9 +7,14 @@ request, gathered through ``block_tables[r]``. Drafted tokens' KV is written bef
 plain decode (docs/ARCHITECTURE.md invariant 4).
 """
 
+from collections.abc import Callable
+
 import torch
 
 from truespec.ops.precision import compute_dtype
+
+# a packed cache's read: uint8 slots [S, H, bytes] -> keys, values [S, H, D] (kv_cache/formats.py KVFormat.decode)
+SlotDecoder = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
 def reshape_and_cache_ref(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -22,11 +27,24 @@ def reshape_and_cache_ref(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tens
     kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slots, v[:num_tokens][is_valid])
 
 
-def gather_kv(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V of positions 0..seq_len-1 of one request: each [seq_len, num_kv_heads, head_dim]."""
-    block_size, num_kv_heads, head_dim = kv_cache.shape[-3:]
+def store_packed_ref(slot_bytes: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Store encoded slots uint8 [T', H, bytes] at ``slot_mapping`` [T] into a packed cache [num_blocks, block_size,
+    H, bytes] (rows with slot -1 write nothing)."""
+    num_tokens = slot_mapping.shape[0]
+    is_valid = slot_mapping >= 0
+    kv_cache.view(-1, *kv_cache.shape[-2:]).index_copy_(0, slot_mapping[is_valid], slot_bytes[:num_tokens][is_valid])
+
+
+def gather_kv(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int,
+              decode: SlotDecoder | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of positions 0..seq_len-1 of one request: each [seq_len, num_kv_heads, head_dim]. ``decode``: the
+    cache is packed ([num_blocks, block_size, H, bytes]) and this reads its slots."""
+    block_size = kv_cache.shape[-3] if decode is None else kv_cache.shape[1]
     positions = torch.arange(seq_len, device=kv_cache.device)
     slots = block_table[positions // block_size] * block_size + positions % block_size
+    if decode is not None:
+        return decode(kv_cache.view(-1, *kv_cache.shape[-2:])[slots])
+    num_kv_heads, head_dim = kv_cache.shape[-2:]
     keys = kv_cache[0].view(-1, num_kv_heads, head_dim)[slots]
     values = kv_cache[1].view(-1, num_kv_heads, head_dim)[slots]
     return keys, values
@@ -61,10 +79,12 @@ def paged_attention_ref(
     seq_lens: torch.Tensor,
     block_tables: torch.Tensor,
     scale: float,
+    decode: SlotDecoder | None = None,
 ) -> torch.Tensor:
     """Causal attention of q [T, num_heads, head_dim] over the paged ``kv_cache``; request r owns query rows
     ``query_start_loc[r] .. query_start_loc[r + 1] - 1`` and ``seq_lens[r]`` keys. Rows no request owns
-    (padding) come back as zeros. Reads the metadata back to the host (``.tolist()``)."""
+    (padding) come back as zeros. Reads the metadata back to the host (``.tolist()``). ``decode``: the cache is
+    packed (a compressed ``kv_cache_dtype``) and this decodes its slots."""
     out = torch.zeros_like(q)
     qsl, lens = query_start_loc.tolist(), seq_lens.tolist()
     for r, seq_len in enumerate(lens):
@@ -73,6 +93,6 @@ def paged_attention_ref(
             continue
         if seq_len < end - start:
             raise ValueError(f"request {r}: seq_len {seq_len} < query_len {end - start}")
-        keys, values = gather_kv(kv_cache, block_tables[r], seq_len)
+        keys, values = gather_kv(kv_cache, block_tables[r], seq_len, decode)
         out[start:end] = causal_attention(q[start:end], keys, values, seq_len - (end - start), scale)
     return out

@@ -49,12 +49,13 @@ class _Job:
 
 class ModelDrafter:
     def __init__(self, head: torch.nn.Module, k: int, num_blocks: int, num_state_slots: int, device: torch.device,
-                 seed: int, graphs: GraphSettings, hidden_size: int | None = None) -> None:
+                 seed: int, graphs: GraphSettings, hidden_size: int | None = None,
+                 kv_cache_dtype: str = "auto") -> None:
         self.head, self.k, self.device, self.seed = head, k, device, seed
         self.uses_target_hidden = bool(getattr(head, "uses_target_hidden", False))
         self.offset = 0 if self.uses_target_hidden else 1
         self._generators: dict[str, torch.Generator] = {}
-        allocate_caches(head, num_blocks, graphs.block_size, num_state_slots, device)
+        allocate_caches(head, num_blocks, graphs.block_size, num_state_slots, device, kv_cache_dtype)
         # 1 + k forwards per step, and the host may queue the next step's before the device ends this one's
         self.graphs = GraphRunner(head, f"drafter ({type(head).__name__})", graphs, device, hidden_size, head.dtype,
                                   num_staging=2 * (k + 1) + 2)

@@ -51,7 +51,7 @@ def load_drafter(config: SpeculativeConfig | None, target: LoadedModel,
 
 def make_proposer(config: SpeculativeConfig | None, head: torch.nn.Module | None, num_blocks: int,
                   num_state_slots: int, device: torch.device, seed: int, graphs: GraphSettings,
-                  hidden_size: int) -> Proposer | None:
+                  hidden_size: int, kv_cache_dtype: str = "auto") -> Proposer | None:
     if config is None:
         return None
     k = config.num_speculative_tokens
@@ -59,7 +59,7 @@ def make_proposer(config: SpeculativeConfig | None, head: torch.nn.Module | None
         return NgramProposer(k, config.prompt_lookup_min, config.prompt_lookup_max)
     if config.enforce_eager:
         graphs = replace(graphs, mode="NONE")
-    return ModelDrafter(head, k, num_blocks, num_state_slots, device, seed, graphs, hidden_size)
+    return ModelDrafter(head, k, num_blocks, num_state_slots, device, seed, graphs, hidden_size, kv_cache_dtype)
 
 
 def num_lookahead_tokens(config: SpeculativeConfig | None) -> int:

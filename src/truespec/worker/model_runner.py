@@ -49,8 +49,9 @@ class LaunchedStep:
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, device: torch.device, dtype: torch.dtype, seed: int,
-                 eos_token_ids: set[int]) -> None:
+                 eos_token_ids: set[int], kv_cache_dtype: str = "auto") -> None:
         self.model = model
+        self.kv_cache_dtype = kv_cache_dtype
         self.device = device
         self.dtype = dtype
         self.seed = seed
@@ -61,14 +62,14 @@ class ModelRunner:
     # ---- caches and graphs -----------------------------------------------------------------
     @property
     def kv_bytes_per_token(self) -> int:
-        return kv_bytes_per_token(self.model)
+        return kv_bytes_per_token(self.model, self.kv_cache_dtype)
 
     @property
     def state_bytes_per_slot(self) -> int:
         return state_bytes_per_slot(self.model)
 
     def allocate_caches(self, num_blocks: int, block_size: int, num_state_slots: int) -> None:
-        allocate_caches(self.model, num_blocks, block_size, num_state_slots, self.device)
+        allocate_caches(self.model, num_blocks, block_size, num_state_slots, self.device, self.kv_cache_dtype)
 
     def init_graphs(self, settings: GraphSettings) -> None:
         """After ``allocate_caches``: set up the forward (eager or CUDA graphs) and capture the graphs."""
