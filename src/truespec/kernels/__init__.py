@@ -13,6 +13,7 @@ from truespec.kernels.causal_conv1d import causal_conv1d
 from truespec.kernels.gdn_gating import gdn_gating
 from truespec.kernels.gdn_recurrent import gdn_recurrent
 from truespec.kernels.paged_attention import paged_attention
+from truespec.kernels.paged_attention_packed import paged_attention_packed
 from truespec.kernels.qk_norm_rope import qk_norm_rope
 from truespec.kernels.reshape_and_cache import reshape_and_cache
 from truespec.kernels.rms_norm import rms_norm
@@ -35,6 +36,7 @@ __all__ = [
     "gdn_recurrent",
     "gdn_recurrent_ref",
     "paged_attention",
+    "paged_attention_packed",
     "paged_attention_ref",
     "reshape_and_cache",
     "reshape_and_cache_ref",
