@@ -1,4 +1,4 @@
-"""Command line: ``truespec generate [--model DIR] "prompt"`` and ``truespec verify``."""
+"""Command line: ``truespec generate [--model DIR] "prompt"``, ``truespec verify`` and ``truespec serve``."""
 
 import argparse
 import sys
@@ -11,6 +11,7 @@ from truespec.entrypoints.bench import add_parser as add_bench_parser
 from truespec.entrypoints.errors import run_command
 from truespec.entrypoints.eval import add_parser as add_eval_parser
 from truespec.entrypoints.prompts_file import check_cli_prompts, load_prompts
+from truespec.entrypoints.serve import add_serve_args, run_server
 from truespec.entrypoints.verify import DEBUG_FAULTS, KNOBS, baseline_of, format_results, json_object, verify
 from truespec.kv_cache.formats import KV_CACHE_DTYPES
 from truespec.llm import LLM
@@ -46,6 +47,10 @@ def main(argv: list[str] | None = None) -> int:
                                        "with and without speculation")
     demo.add_argument("--device", default="auto")
     demo.set_defaults(run=_demo)
+    serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)")
+    add_serve_args(serve)
+    add_engine_args(serve)
+    serve.set_defaults(run=_serve)
     add_bench_parser(sub)
     add_eval_parser(sub)
     args = parser.parse_args(argv)
@@ -56,6 +61,10 @@ def _demo(args: argparse.Namespace) -> int:
     from truespec.entrypoints.demo import run_demo
 
     return run_demo(args.device)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    return run_server(args, engine_kwargs(args))
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:

@@ -1,0 +1,253 @@
+"""`truespec serve` as a real process on a loopback port, driven by the real `openai` client: completions and chat,
+streamed and not, with and without speculation; tokenize, metrics, OpenAI-style errors, API key, aborts on
+disconnect, SIGTERM. The embedded model in float32, a few tokens per request."""
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import httpx
+import pytest
+
+openai = pytest.importorskip("openai")
+
+ENGINE_ARGS = ["--dtype", "float32", "--device", "cpu", "--max-model-len", "256", "--max-num-seqs", "4"]
+SPEC = '{"method": "ngram", "num_speculative_tokens": 3}'
+API_KEY = "sk-test-key"
+PROMPT = "def fib(n):"
+REPETITIVE = "a = [1, 2, 3]\nb = [1, 2, 3]\nc = [1, 2, 3]\nd = [1, 2,"
+STARTUP_TIMEOUT_S = 90
+
+
+@dataclass
+class Server:
+    proc: subprocess.Popen
+    url: str
+    api_key: str = "unused"
+
+    def client(self) -> "openai.OpenAI":
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=self.api_key, max_retries=0, timeout=60)
+
+    def metrics(self) -> dict[str, float]:
+        text = httpx.get(self.url + "/metrics", timeout=10).text
+        return {m[1]: float(m[2]) for m in re.finditer(r"^(truespec:\w+)\{[^}]*\} (\S+)$", text, re.M)}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start(*extra: str) -> Server:
+    port = _free_port()
+    env = os.environ | {"OMP_NUM_THREADS": "1"}  # 2-core CI: torch's thread pool contending makes it crawl
+    cmd = [sys.executable, "-m", "truespec.entrypoints.cli", "serve", *ENGINE_ARGS, "--port", str(port),
+           "--log-level", "warning", *extra]
+    return Server(subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True),
+                  f"http://127.0.0.1:{port}")
+
+
+def _wait_healthy(server: Server) -> None:
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if server.proc.poll() is not None:
+            pytest.fail(f"server exited with {server.proc.returncode}: {server.proc.stderr.read()[-2000:]}")
+        try:
+            if httpx.get(server.url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.3)
+    pytest.fail("server did not become healthy")
+
+
+def _stop(server: Server) -> int:
+    server.proc.send_signal(signal.SIGTERM)
+    try:
+        return server.proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        server.proc.kill()
+        server.proc.wait()
+        return -9
+
+
+@pytest.fixture(scope="module")
+def servers() -> Iterator[tuple[Server, Server]]:
+    """(plain, ngram speculation behind --api-key with tool-call and reasoning parsers), started side by side."""
+    plain = _start()
+    spec = _start("--speculative-config", SPEC, "--api-key", API_KEY, "--served-model-name", "spec",
+                  "--enable-auto-tool-choice", "--tool-call-parser", "qwen3_coder", "--reasoning-parser", "qwen3")
+    spec.api_key = API_KEY
+    try:
+        _wait_healthy(plain)
+        _wait_healthy(spec)
+        yield plain, spec
+    finally:
+        codes = [_stop(plain), _stop(spec)]
+    assert codes == [0, 0], "SIGTERM must end the server gracefully with exit code 0"
+
+
+@pytest.fixture(scope="module")
+def server(servers: tuple[Server, Server]) -> Server:
+    return servers[0]
+
+
+def _model(server: Server) -> str:
+    return server.client().models.list().data[0].id
+
+
+def test_models_list_the_served_name(servers: tuple[Server, Server]) -> None:
+    plain, spec = servers
+    assert [m.id for m in spec.client().models.list().data] == ["spec"]
+    assert plain.client().models.list().data[0].max_model_len == 256
+
+
+def test_streamed_completion_text_equals_non_streamed(server: Server) -> None:
+    client, model = server.client(), _model(server)
+    full = client.completions.create(model=model, prompt=PROMPT, max_tokens=12, temperature=0)
+    assert full.usage.completion_tokens == 12 and full.usage.prompt_tokens > 0
+    chunks = list(client.completions.create(model=model, prompt=PROMPT, max_tokens=12, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == full.choices[0].text
+    assert chunks[-1].usage.completion_tokens == 12 and not chunks[-1].choices
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+
+
+def test_streamed_chat_text_equals_non_streamed(server: Server) -> None:
+    client, model = server.client(), _model(server)
+    messages = [{"role": "user", "content": "Write a function that adds two numbers."}]
+    full = client.chat.completions.create(model=model, messages=messages, max_completion_tokens=10, temperature=0)
+    assert full.choices[0].message.role == "assistant" and full.usage.completion_tokens == 10
+    chunks = list(client.chat.completions.create(model=model, messages=messages, max_tokens=10, temperature=0,
+                                                 stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == full.choices[0].message.content
+
+
+def test_speculative_server_gives_the_plain_text(servers: tuple[Server, Server]) -> None:
+    plain, spec = servers
+    for prompt in (PROMPT, REPETITIVE):
+        texts = [s.client().completions.create(model=_model(s), prompt=prompt, max_tokens=24, temperature=0,
+                                               extra_body={"ignore_eos": True}).choices[0].text for s in servers]
+        assert texts[0] == texts[1]
+        streamed = spec.client().completions.create(model="spec", prompt=prompt, max_tokens=24, temperature=0,
+                                                    stream=True, extra_body={"ignore_eos": True})
+        assert "".join(c.choices[0].text for c in streamed) == texts[0]
+    assert spec.metrics()["truespec:spec_decode_num_drafts_total"] > 0
+
+
+def test_chat_logprobs_in_openai_shape(server: Server) -> None:
+    out = server.client().chat.completions.create(model=_model(server), messages=[{"role": "user", "content": "x"}],
+                                                  max_tokens=4, temperature=0, logprobs=True, top_logprobs=2)
+    content = out.choices[0].logprobs.content
+    assert len(content) == 4 and all(len(t.top_logprobs) == 2 and t.logprob <= 0 for t in content)
+    assert "".join(t.token for t in content) == out.choices[0].message.content
+
+
+def test_tokenize_detokenize_round_trip(server: Server) -> None:
+    tokens = httpx.post(server.url + "/tokenize", json={"prompt": PROMPT}).json()["tokens"]
+    assert tokens and httpx.post(server.url + "/detokenize", json={"tokens": tokens}).json()["prompt"] == PROMPT
+
+
+def test_metrics_expose_vllm_names(server: Server) -> None:
+    text = httpx.get(server.url + "/metrics").text
+    for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prompt_tokens_total",
+                 "generation_tokens_total", "time_to_first_token_seconds", "time_per_output_token_seconds",
+                 "e2e_request_latency_seconds", "spec_decode_num_drafts", "spec_decode_num_draft_tokens",
+                 "spec_decode_num_accepted_tokens"):
+        assert "truespec:" + name in text
+
+
+@pytest.mark.parametrize(("body", "status", "param"), [
+    ({"prompt": PROMPT, "temperature": -1}, 400, "temperature"),
+    ({"prompt": PROMPT, "temperature": "hot"}, 400, "temperature"),
+    ({"prompt": PROMPT, "max_tokens": 0}, 400, "max_tokens"),
+    ({"prompt": "a " * 400}, 400, "prompt"),
+    ({"prompt": PROMPT, "n": 2}, 400, "n"),
+    ({"prompt": PROMPT, "model": "no-such-model"}, 404, "model"),
+])
+def test_bad_request_gets_openai_error_and_server_goes_on(server: Server, body: dict, status: int,
+                                                          param: str) -> None:
+    r = httpx.post(server.url + "/v1/completions", json=body, timeout=30)
+    assert r.status_code == status
+    error = r.json()["error"]
+    assert error["param"] == param and error["code"] == status and error["message"]
+    assert server.client().completions.create(model=_model(server), prompt=PROMPT, max_tokens=2).choices
+
+
+def test_malformed_json_is_400(server: Server) -> None:
+    r = httpx.post(server.url + "/v1/chat/completions", content=b'{"messages": [', timeout=30,
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
+
+
+def test_api_key_is_required_when_set(servers: tuple[Server, Server]) -> None:
+    spec = servers[1]
+    for headers in ({}, {"Authorization": "Bearer wrong"}):
+        r = httpx.get(spec.url + "/v1/models", headers=headers)
+        assert r.status_code == 401 and r.json()["error"]["code"] == 401
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=spec.url + "/v1", api_key="wrong", max_retries=0).models.list()
+    assert httpx.get(spec.url + "/health").status_code == 200  # not behind the key
+
+
+def test_client_disconnect_mid_stream_aborts_and_frees_blocks(server: Server) -> None:
+    before = server.metrics()["truespec:generation_tokens_total"]
+    body = {"prompt": PROMPT, "max_tokens": 200, "temperature": 0, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=30) as r:
+        assert next(line for line in r.iter_lines() if line.startswith("data:"))
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        m = server.metrics()
+        if m["truespec:num_requests_running"] == 0 and m["truespec:kv_cache_usage_perc"] == 0:
+            break
+        time.sleep(0.2)
+    assert m["truespec:kv_cache_usage_perc"] == 0 and m["truespec:num_requests_running"] == 0
+    assert m["truespec:generation_tokens_total"] - before < 200  # aborted before its 200 tokens
+
+
+def test_completion_of_several_prompts_and_token_ids(server: Server) -> None:
+    client, model = server.client(), _model(server)
+    tokens = httpx.post(server.url + "/tokenize", json={"prompt": PROMPT}).json()["tokens"]
+    alone = client.completions.create(model=model, prompt=PROMPT, max_tokens=6, temperature=0).choices[0].text
+    out = client.completions.create(model=model, prompt=[PROMPT, REPETITIVE], max_tokens=6, temperature=0,
+                                   extra_body={"ignore_eos": True})
+    assert [c.index for c in out.choices] == [0, 1] and out.choices[0].text == alone
+    assert out.usage.completion_tokens == 12
+    by_ids = client.completions.create(model=model, prompt=tokens, max_tokens=6, temperature=0)
+    assert by_ids.choices[0].text == alone
+
+
+TOOLS = [{"type": "function", "function": {"name": "add", "description": "Add two numbers",
+                                           "parameters": {"type": "object", "properties": {
+                                               "a": {"type": "integer"}, "b": {"type": "integer"}}}}}]
+
+
+def test_tool_choice_is_checked_and_parsed_responses_stream_alike(servers: tuple[Server, Server]) -> None:
+    """With the parsers on, a chat with tools streams the same content / reasoning / tool_calls as it returns at
+    once; tool_choice "auto" without --enable-auto-tool-choice, "required" and an unknown function are 400s."""
+    plain, spec = servers
+    messages = [{"role": "user", "content": "Add 2 and 3."}]
+    client = spec.client()
+    full = client.chat.completions.create(model="spec", messages=messages, tools=TOOLS, tool_choice="auto",
+                                          max_tokens=16, temperature=0)
+    chunks = list(client.chat.completions.create(model="spec", messages=messages, tools=TOOLS, tool_choice="auto",
+                                                 max_tokens=16, temperature=0, stream=True))
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == (full.choices[0].message.content or "")
+    assert chunks[-1].choices[0].finish_reason == full.choices[0].finish_reason
+    unknown = {"type": "function", "function": {"name": "x"}}
+    for server, choice in ((plain, "auto"), (spec, "required"), (spec, unknown)):
+        with pytest.raises(openai.BadRequestError) as err:
+            server.client().chat.completions.create(model=_model(server), messages=messages, tools=TOOLS,
+                                                    tool_choice=choice, max_tokens=4)
+        assert err.value.body["param"] == "tool_choice"
+    assert plain.client().chat.completions.create(model=_model(plain), messages=messages, tools=TOOLS,
+                                                  tool_choice="none", max_tokens=4).choices[0].message.content
