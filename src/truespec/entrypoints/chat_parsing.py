@@ -66,9 +66,10 @@ def _checked_tools(req: ChatCompletionRequest, tool_call_parser: str | None,
                    enable_auto_tool_choice: bool) -> list[dict] | None:
     """The tools to parse calls of (None: no tool parsing), or a 400 naming ``tool_choice``."""
     choice, tools = req.tool_choice, req.tools
+    names = [_function_name(t, "tools") for t in tools or []]
     if isinstance(choice, dict):
-        name = (choice.get("function") or {}).get("name")
-        if name not in {(t.get("function") or {}).get("name") for t in tools or []}:
+        name = _function_name(choice, "tool_choice")
+        if name not in names:
             raise UnsupportedError("tool_choice", f"tool_choice names function {name!r}, which is not in tools")
     if not tools or choice == "none":
         return None
@@ -82,6 +83,15 @@ def _checked_tools(req: ChatCompletionRequest, tool_call_parser: str | None,
         raise UnsupportedError("tool_choice", '"auto" tool choice needs the server started with '
                                               "--enable-auto-tool-choice and --tool-call-parser")
     return tools
+
+
+def _function_name(item: object, field: str) -> object:
+    """The ``function.name`` of a tool or a named tool_choice; a 400 naming ``field`` if it has none."""
+    function = item.get("function") if isinstance(item, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise UnsupportedError(field, f'{field} must be {{"type": "function", "function": {{"name": ...}}}}, '
+                                      f"got {item!r}"[:300])
+    return function["name"]
 
 
 def _message(deltas: list[Delta]) -> DeltaMessage | None:

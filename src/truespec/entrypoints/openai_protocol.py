@@ -77,7 +77,9 @@ class CompletionRequest(SamplingRequest):
         p = self.prompt
         if isinstance(p, str):
             return [p]
-        if p and all(isinstance(t, int) for t in p):
+        if not p:
+            raise UnsupportedError("prompt", "prompt is an empty list: give a string, token ids or a list of them")
+        if all(isinstance(t, int) for t in p):
             return [{"prompt_token_ids": list(p)}]
         return [x if isinstance(x, str) else {"prompt_token_ids": list(x)} for x in p]
 

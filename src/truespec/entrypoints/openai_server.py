@@ -13,6 +13,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from truespec.engine.llm_engine import LLMEngine
+from truespec.entrypoints.chat_template import check_unicode, render_chat
 from truespec.entrypoints.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -24,7 +25,7 @@ from truespec.entrypoints.openai_protocol import (
     TokenizeResponse,
     UnsupportedError,
 )
-from truespec.entrypoints.openai_serving import ChatOutputParser, OpenAIServing, render_chat
+from truespec.entrypoints.openai_serving import ChatOutputParser, OpenAIServing
 from truespec.entrypoints.serve_loop import EngineLoop, ServerBusyError
 from truespec.entrypoints.server_metrics import CONTENT_TYPE, ServerMetrics
 
@@ -118,6 +119,7 @@ def build_app(engine: LLMEngine, served_model_name: str, api_key: str | None = N
 
 def _tokenize(engine: LLMEngine, req: TokenizeRequest) -> list[int]:
     if req.prompt is not None:
+        check_unicode(req.prompt, "prompt")
         return engine.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
     chat = ChatCompletionRequest(messages=req.messages, add_generation_prompt=req.add_generation_prompt)
     return render_chat(engine, chat)["prompt_token_ids"]

@@ -13,6 +13,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 
 from truespec.engine.llm_engine import LLMEngine, PromptType
+from truespec.entrypoints.chat_template import render_chat
 from truespec.entrypoints.openai_logprobs import chat_logprobs, completion_logprobs
 from truespec.entrypoints.openai_protocol import (
     ChatChoice,
@@ -227,18 +228,6 @@ class OpenAIServing:
                 gen.close()  # the client went away (the body iterator is cancelled): abort
 
         return StreamingResponse(events(), media_type="text/event-stream")
-
-
-def render_chat(engine: LLMEngine, req: ChatCompletionRequest) -> dict:
-    """The chat prompt (engine thread): the tokenizer's chat template, tokenized without adding special tokens
-    (the template holds them)."""
-    tokenizer = engine.tokenizer
-    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
-        raise UnsupportedError("messages", "this model's tokenizer has no chat template: use /v1/completions")
-    kwargs = dict(req.chat_template_kwargs or {})
-    text = tokenizer.apply_chat_template([m.for_template() for m in req.messages], tools=req.tools,
-                                         add_generation_prompt=req.add_generation_prompt, tokenize=False, **kwargs)
-    return {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
 
 
 def _event(chunk: BaseModel) -> str:
