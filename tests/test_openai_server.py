@@ -251,3 +251,22 @@ def test_tool_choice_is_checked_and_parsed_responses_stream_alike(servers: tuple
         assert err.value.body["param"] == "tool_choice"
     assert plain.client().chat.completions.create(model=_model(plain), messages=messages, tools=TOOLS,
                                                   tool_choice="none", max_tokens=4).choices[0].message.content
+
+
+def test_streamed_logprobs_equal_non_streamed(server: Server) -> None:
+    """Completions and chat: every token's logprob reaches the stream (also a token whose text is held back
+    mid-character), the streamed lists add up to the non-streamed ones, and completions text offsets continue."""
+    client, model = server.client(), _model(server)
+    kwargs = dict(model=model, prompt=PROMPT, max_tokens=12, temperature=0, logprobs=2)
+    full = client.completions.create(**kwargs).choices[0].logprobs
+    chunks = [c.choices[0].logprobs for c in client.completions.create(**kwargs, stream=True)
+              if c.choices and c.choices[0].logprobs]
+    assert len(full.tokens) == 12
+    for field in ("tokens", "token_logprobs", "text_offset", "top_logprobs"):
+        assert [x for c in chunks for x in getattr(c, field)] == getattr(full, field), field
+    messages = [{"role": "user", "content": "Write a function that adds two numbers."}]
+    chat = dict(model=model, messages=messages, max_tokens=10, temperature=0, logprobs=True, top_logprobs=2)
+    whole = [(t.token, t.logprob) for t in client.chat.completions.create(**chat).choices[0].logprobs.content]
+    streamed = [(t.token, t.logprob) for c in client.chat.completions.create(**chat, stream=True)
+                if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
+    assert streamed == whole and len(whole) == 10

@@ -47,6 +47,7 @@ class Generation:
         self.loop, self.stream, self.raw = loop, stream, raw
         self.is_finished = False
         self.num_prompt_tokens = self.num_output_tokens = 0
+        self.text_offset = 0  # completions logprobs: where the next streamed token's text starts
 
     async def next(self) -> RequestOutput:
         """The next output (raises the request's error, or ClientDisconnectedError)."""
@@ -135,11 +136,12 @@ class OpenAIServing:
     def _completion_chunk(self, request_id: str, req: CompletionRequest, out: RequestOutput,
                           gen: Generation) -> BaseModel | None:
         c = out.outputs[0]
-        if not c.text and not c.finished():
-            return None
         lp = None
-        if req.logprobs is not None and c.logprobs is not None:
-            lp = completion_logprobs(self.engine.tokenizer, c.token_ids, c.logprobs, req.logprobs)
+        if req.logprobs is not None and c.logprobs is not None:  # every token's, also one whose text is held back
+            lp = completion_logprobs(self.engine.tokenizer, c.token_ids, c.logprobs, req.logprobs, gen.text_offset)
+            gen.text_offset += sum(len(token) for token in lp["tokens"])
+        if not c.text and not c.finished() and not (lp and lp["tokens"]):
+            return None
         choice = CompletionChoice(index=0, text=c.text, logprobs=lp, finish_reason=c.finish_reason,
                                   stop_reason=c.stop_reason)
         return CompletionResponse(id=request_id, model=self.model_name, choices=[choice])
@@ -167,11 +169,11 @@ class OpenAIServing:
                     out: RequestOutput) -> BaseModel | None:
         c = out.outputs[0]
         delta = parser.delta(c.text, is_last=c.finished())
-        if delta is None and not c.finished():
-            return None
         lp = None
-        if req.logprobs and c.logprobs is not None:
+        if req.logprobs and c.logprobs is not None:  # every token's, also one whose text is held back
             lp = chat_logprobs(self.engine.tokenizer, c.token_ids, c.logprobs, req.top_logprobs or 0)
+        if delta is None and not c.finished() and not (lp and lp["content"]):
+            return None
         choice = ChatStreamChoice(index=0, delta=delta or DeltaMessage(), logprobs=lp,
                                   finish_reason=parser.finish_reason(c.finish_reason))
         return ChatCompletionChunk(id=request_id, model=self.model_name, choices=[choice])
