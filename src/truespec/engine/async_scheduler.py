@@ -26,6 +26,7 @@ from truespec.core.scheduler import Scheduler
 from truespec.core.scheduler_output import SchedulerOutput
 from truespec.core.sequence import PLACEHOLDER, Sequence
 from truespec.spec_decode.model_drafter import ModelDrafter
+from truespec.worker.input_builder import to_device_async
 from truespec.worker.model_runner import LaunchedStep, ModelRunner
 
 
@@ -139,7 +140,7 @@ class AsyncScheduler:
             ids = dd.next_ids[:, :1 + num_drafts].flatten()
         else:
             index = [i * (1 + k) + j for i, (_, _, d, _) in enumerate(plans) for j in range(1 + d)]
-            ids = dd.next_ids.flatten().index_select(0, _to_device(index, dd.next_ids.device))
+            ids = dd.next_ids.flatten().index_select(0, to_device_async(index, dd.next_ids.device))
         self.inflight = self.launch(out, input_ids_from=ids, shift=dd.num_accepted)
         self.num_async_steps += 1
         return True
@@ -152,9 +153,3 @@ class AsyncScheduler:
     def _is_done(self, request_id: str) -> bool:
         seq = self.seqs.get(request_id)
         return seq is None or seq.is_finished
-
-
-def _to_device(values: list[int], device: torch.device) -> torch.Tensor:
-    """One host-to-device copy that does not wait for the device (pinned memory on CUDA)."""
-    host = torch.tensor(values, dtype=torch.int64)
-    return host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host

@@ -118,6 +118,13 @@ def build_step(rows: list[ContextRow], input_ids: list[int], positions: list[int
     return StepInputs(ids, pos, ctx)
 
 
+def to_device_async(values: list[int], device: torch.device) -> torch.Tensor:
+    """int64 ``values`` on ``device`` in one host-to-device copy that does not wait for the device (pinned memory
+    on CUDA), queued in stream order."""
+    host = torch.tensor(values, dtype=torch.int64)
+    return host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host
+
+
 def build_forward_context(rows: list[ContextRow], block_size: int, device: torch.device) -> ForwardContext:
     """Only the metadata of an unpadded step (token ids and positions left at 0)."""
     num_tokens = sum(row.query_len for row in rows)

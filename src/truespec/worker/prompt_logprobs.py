@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from truespec.core.scheduler_output import ScheduledRequest
+from truespec.worker.input_builder import to_device_async
 
 SLICE_ROWS = 256  # rows of [rows, vocab] logits alive at once (248K vocabulary in fp32: 254 MB)
 
@@ -31,7 +32,7 @@ def queue_prompt_logprobs(model: torch.nn.Module, hidden: torch.Tensor, schedule
            if r.prompt_logprob_token_ids]
     if not due:
         return None
-    all_targets = _to_device([t for r, _ in due for t in r.prompt_logprob_token_ids], hidden.device)
+    all_targets = to_device_async([t for r, _ in due for t in r.prompt_logprob_token_ids], hidden.device)
     values, token_ids, at = [], [], 0
     for r, first_row in due:
         rows = r.prompt_logprobs_rows
@@ -46,11 +47,6 @@ def queue_prompt_logprobs(model: torch.nn.Module, hidden: torch.Tensor, schedule
     return QueuedPromptLogprobs(torch.cat(values).to("cpu", non_blocking=True),
                                 torch.cat(token_ids).to("cpu", non_blocking=True))
 
-
-def _to_device(ids: list[int], device: torch.device) -> torch.Tensor:
-    """One host-to-device copy that does not wait for the device (pinned memory on CUDA)."""
-    host = torch.tensor(ids, dtype=torch.int64)
-    return host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host
 
 
 def prompt_logprobs_entries(queued: QueuedPromptLogprobs | None,
