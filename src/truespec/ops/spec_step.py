@@ -24,11 +24,20 @@ def move_positions_ref(positions: torch.Tensor, seq_lens: torch.Tensor, state_sr
     seq_lens[:num_reqs] += shift
     src = state_src[:num_reqs]
     src += torch.where(src >= 0, shift, 0)
-    tables = block_tables[:num_reqs]
-    column = moved // block_size
+    slot_mapping[:num_tokens] = kv_slots_on_device(block_tables[:num_reqs], request, moved, block_size)
+
+
+def kv_slots_on_device(tables: torch.Tensor, request: torch.Tensor, positions: torch.Tensor, block_size: int,
+                       is_real: torch.Tensor | None = None) -> torch.Tensor:
+    """The flat KV slot of each token [T] at ``positions`` [T] of request ``request`` [T], looked up in the block
+    ``tables`` [R, width]: -1 past a request's blocks (a column beyond the table or a -1 cell) and where
+    ``is_real`` [T] is False."""
+    column = positions // block_size
     block = tables[request, column.clamp(max=tables.shape[1] - 1)]
     is_held = (column < tables.shape[1]) & (block >= 0)
-    slot_mapping[:num_tokens] = torch.where(is_held, block * block_size + moved % block_size, -1)
+    if is_real is not None:
+        is_held &= is_real
+    return torch.where(is_held, block * block_size + positions % block_size, -1)
 
 
 def greedy_accepted_ref(argmax: torch.Tensor, input_ids: torch.Tensor, query_start_loc: torch.Tensor,

@@ -19,6 +19,7 @@ projections are row invariant, attention is per row), so the drafts are the same
 import torch
 
 from truespec.forward_context import ForwardContext, set_forward_context
+from truespec.ops.spec_step import greedy_accepted_ref, kv_slots_on_device
 from truespec.spec_decode.device_drafts import DeviceDrafts
 
 MAX_CHAIN_REQUESTS = 64  # larger batches use draft_on_device's launches (their logits rows would dominate memory)
@@ -82,22 +83,19 @@ class DraftChain:
 
     # ---- what the graph holds ------------------------------------------------------------------------
     def _body(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        k, num_tokens, last_row = self.k, size * self.q, len(self.argmax) - 1
+        k, num_tokens = self.k, size * self.q
         req = torch.arange(size, device=self.argmax.device)
         is_real = req < self.num_reqs
+        # the step's query starts, the requests past the real ones owning no row (they start at the step's end,
+        # which is below num_tokens whenever there are such requests)
         qsl = self.query_start_loc
-        first = torch.where(is_real, qsl[:size], 0)  # request r's first row in the step
-        num_drafts = torch.where(is_real, qsl[1:size + 1] - qsl[:size] - 1, 0)
-        j = torch.arange(k, device=req.device)
-        check = first[:, None] + torch.minimum(j, (num_drafts - 1).clamp(min=0)[:, None])  # row that checks draft j
-        match = (self.argmax[check] == self.input_ids[(check + 1).clamp(max=last_row)]) & (j < num_drafts[:, None])
-        accepted = torch.where(is_real, match.long().cumprod(dim=1).sum(dim=1), 0)
-        next_token = self.argmax[first + accepted]
-        start = self.positions[first]  # the verify's first position (moved by the device when queued ahead)
-        # catch-up: the verify's own rows (request r's 1 + d_r rows from qsl[r]); rows past the last are padding
         end = qsl.gather(0, self.num_reqs.view(1))  # [1]: the step's token count
         edge = torch.arange(size + 1, device=req.device)
         step_qsl = torch.where(edge <= self.num_reqs, qsl[:size + 1], end)
+        first, num_drafts = step_qsl[:-1], (step_qsl.diff() - 1).clamp(min=0)
+        accepted, next_token = greedy_accepted_ref(self.argmax, self.input_ids, step_qsl, k)
+        start = self.positions[first]  # the verify's first position (moved by the device when queued ahead)
+        # catch-up: the verify's own rows (request r's 1 + d_r rows from qsl[r]); rows past the last are padding
         token = torch.arange(num_tokens, device=req.device)
         owner = torch.searchsorted(step_qsl[1:], token, right=True).clamp(max=size - 1)
         positions = self.positions[:num_tokens]
@@ -120,10 +118,7 @@ class DraftChain:
                  is_real: torch.Tensor, size: int) -> ForwardContext:
         """Metadata of a chain forward: token t belongs to request ``owner[t]``; padding requests own no token."""
         tables = self.tables[:size]
-        column = positions // self.block_size
-        block = tables[owner, column.clamp(max=self.width - 1)]
-        is_held = is_real & (column < self.width) & (block >= 0)
-        slots = torch.where(is_held, block * self.block_size + positions % self.block_size, -1)
+        slots = kv_slots_on_device(tables, owner, positions, self.block_size, is_real)
         none = torch.full((size,), -1, dtype=torch.int64, device=qsl.device)
         num_tokens = len(positions)
         return ForwardContext(
