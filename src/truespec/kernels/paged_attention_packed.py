@@ -34,7 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
-from truespec.kernels.triton_utils import find_request, mma, pad_pow2, reduce_max, reduce_sum, tl_compute_dtype
+from truespec.kernels.paged_attention import MAX_SPLITS, MIN_SPLIT_KEYS, _row_layout
+from truespec.kernels.triton_utils import mma, pad_pow2, reduce_max, reduce_sum, tl_compute_dtype
 from truespec.ops.kv_quant import hadamard, packed_size
 from truespec.ops.lloyd_max import lloyd_max_codebook
 from truespec.ops.precision import compute_dtype
@@ -128,12 +129,9 @@ def _paged_attention_packed_kernel(
 ):
     token = tl.program_id(0)
     kv_head = tl.program_id(1)
-    r = find_request(query_start_loc_ptr, num_reqs, token)
-    q_start = tl.load(query_start_loc_ptr + r)
-    q_end = tl.load(query_start_loc_ptr + r + 1)
-    is_valid = token < tl.load(query_start_loc_ptr + num_reqs)  # rows past the last request are padding
-    position = tl.load(seq_lens_ptr + r) - (q_end - q_start) + (token - q_start)
-    num_keys = tl.where(is_valid, position + 1, 0)  # causal: keys 0..position
+    # the row's request and its keys 0..position (0 for padding rows), as the model-dtype kernel reads them
+    r, num_keys, _, _ = _row_layout(query_start_loc_ptr, seq_lens_ptr, num_reqs, token, BLOCK_N, MAX_SPLITS,
+                                    MIN_SPLIT_KEYS)
 
     g = tl.arange(0, GROUP_PAD)
     d = tl.arange(0, HEAD_DIM_PAD)
