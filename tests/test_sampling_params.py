@@ -17,12 +17,22 @@ from truespec.sampling_params import MIN_TEMPERATURE
 @pytest.mark.parametrize("field, value", [
     ("temperature", -0.1), ("temperature", float("nan")), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -2),
     ("min_p", 1.5), ("max_tokens", 0), ("min_tokens", -1), ("seed", 1.5), ("stop", [""]),
-    ("stop_token_ids", [-1]), ("n", 2), ("temperature", "hot"), ("seed", 2**64), ("seed", True), ("logprobs", 21),
+    ("stop_token_ids", [-1]), ("temperature", "hot"), ("seed", 2**64), ("seed", True), ("logprobs", 21),
     ("logprobs", -1), ("prompt_logprobs", 21), ("prompt_logprobs", -1), ("prompt_logprobs", True),
 ])
 def test_invalid_sampling_params_name_the_field(field: str, value: object) -> None:
     with pytest.raises(ValueError, match=field):
         SamplingParams(**{field: value})
+
+
+@pytest.mark.parametrize("value", [0, -1, 1.5, True, "2", None])
+def test_n_must_be_an_int_of_at_least_one(value: object) -> None:
+    with pytest.raises(ValueError, match=r"SamplingParams\.n must be an int >= 1"):
+        SamplingParams(n=value)
+
+
+def test_n_above_one_is_accepted() -> None:
+    assert SamplingParams(n=3).n == 3 and SamplingParams(n=np.int64(2)).n == 2
 
 
 def test_min_tokens_above_max_tokens() -> None:

@@ -38,8 +38,9 @@ class LLM:
     def generate(self, prompts: PromptType | Seq[PromptType],
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
-        """Generate for every prompt; outputs in input order. Calls from several threads run one after another
-        (each gets the tokens it would get alone)."""
+        """Generate for every prompt; outputs in input order, one per prompt (with ``SamplingParams.n`` > 1 it holds
+        n completions, ``index`` 0..n-1). Calls from several threads run one after another (each gets the tokens it
+        would get alone)."""
         prompts = _prompt_list(prompts)
         params = [replace(sp, output_kind=RequestOutputKind.FINAL_ONLY)  # one output per request, at its end
                   for sp in _per_prompt(sampling_params, len(prompts))]
@@ -48,22 +49,22 @@ class LLM:
 
     def _generate(self, prompts: list[PromptType], params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine
-        seqs = [engine.make_sequence(p, sp) for p, sp in zip(prompts, params, strict=True)]  # validate all first
+        requests = [engine.make_request(p, sp) for p, sp in zip(prompts, params, strict=True)]  # validate all first
         outputs: dict[str, RequestOutput] = {}
         try:
-            for seq in seqs:
-                engine.add_sequence(seq)
-            with tqdm(total=len(seqs), desc="generate", disable=not use_tqdm or len(seqs) < 2) as bar:
-                while any(not seq.is_finished for seq in seqs):
+            for request in requests:
+                engine.add(request)
+            with tqdm(total=len(requests), desc="generate", disable=not use_tqdm or len(requests) < 2) as bar:
+                while any(not request.is_finished for request in requests):
                     done = engine.step()
                     outputs.update((out.request_id, out) for out in done)
                     bar.update(len(done))
         except BaseException:
-            for seq in seqs:  # a failed or interrupted call leaves nothing behind: blocks and state slots come back
-                engine.abort_request(seq.request_id)
+            for request in requests:  # a failed or interrupted call leaves nothing behind: blocks and slots come back
+                engine.abort_request(request.request_id)
             raise
         # a request aborted from elsewhere finished without a step: its output is built here
-        return [outputs.get(seq.request_id) or engine.output_processor.make_output(seq) for seq in seqs]
+        return [outputs.get(request.request_id) or engine.final_output(request) for request in requests]
 
 
 def _engine_config(model: str | None, kwargs: dict[str, object]) -> EngineConfig:

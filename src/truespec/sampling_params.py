@@ -23,7 +23,7 @@ class RequestOutputKind(Enum):
 
 @dataclass
 class SamplingParams:
-    n: int = 1
+    n: int = 1  # completions per prompt (engine/parallel_sampling.py: n child requests, child i seeded seed + i)
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1: no top-k
@@ -45,7 +45,7 @@ class SamplingParams:
             setattr(self, f.name, _plain(getattr(self, f.name)))
         self.stop = [self.stop] if isinstance(self.stop, str) else _as_list(self.stop, "stop", "strings")
         self.stop_token_ids = _as_list(self.stop_token_ids, "stop_token_ids", "ints")
-        _check(self.n == 1, "n", "only n=1 is supported", self.n)
+        _check(_is_int(self.n) and self.n >= 1, "n", "must be an int >= 1", self.n)
         _check(_is_number(self.temperature) and 0 <= self.temperature <= FLOAT32_MAX, "temperature",
                "must be a finite number >= 0 (at most float32's largest, 3.4e38)", self.temperature)
         if 0 < self.temperature < MIN_TEMPERATURE:

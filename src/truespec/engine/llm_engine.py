@@ -13,6 +13,7 @@ from truespec.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from truespec.core.sequence import PLACEHOLDER, Sequence
 from truespec.engine.async_scheduler import AsyncScheduler
 from truespec.engine.output_processor import OutputProcessor
+from truespec.engine.parallel_sampling import ParentRequest, ParentRequests
 from truespec.engine.stop_checker import StopChecker
 from truespec.kv_cache.config import CacheConfig
 from truespec.kv_cache.manager import KVCacheManager
@@ -33,6 +34,7 @@ from truespec.worker.model_runner import ModelRunner
 from truespec.worker.runner_output import ModelRunnerOutput
 
 PromptType = str | dict
+Request = Sequence | ParentRequest  # what make_request builds: one sequence, or n > 1 children under a parent
 
 
 class LLMEngine:
@@ -75,6 +77,7 @@ class LLMEngine:
         self.num_drafts = _draft_counter(self.draft_length, self.spec_metrics, self.scheduler,
                                          spec.disable_by_batch_size if spec is not None else None)
         self.seqs: dict[str, Sequence] = {}
+        self.parents = ParentRequests()  # requests with n > 1, whose children are in seqs
         self._ids = itertools.count()
         is_async = config.async_scheduling if config.async_scheduling is not None else self.device.type == "cuda"
         # speculative steps are queued ahead only when asked for (async_scheduling=True): on the embedded model they
@@ -123,21 +126,46 @@ class LLMEngine:
             max_output_len = min(max_output_len, params.max_tokens)
         return Sequence(f"{next(self._ids)}", text, token_ids, params, max_output_len)
 
+    def make_request(self, prompt: PromptType, params: SamplingParams) -> Request:
+        """Validate one request and build it, without touching engine state: its Sequence, or with ``n > 1`` a
+        ParentRequest over n child Sequences (engine/parallel_sampling.py)."""
+        seq = self.make_sequence(prompt, params)
+        if params.n == 1:
+            return seq
+        return ParentRequest(seq, [f"{next(self._ids)}" for _ in range(params.n)])
+
     def add_sequence(self, seq: Sequence) -> None:
         self.seqs[seq.request_id] = seq
         self.scheduler.add(seq)
 
+    def add(self, request: Request) -> None:
+        """Queue a request ``make_request`` built (a parent: all its children)."""
+        if isinstance(request, Sequence):
+            return self.add_sequence(request)
+        self.parents.add(request)
+        for child in request.children:
+            self.add_sequence(child)
+
     def add_request(self, prompt: PromptType, params: SamplingParams) -> str:
-        seq = self.make_sequence(prompt, params)
-        self.add_sequence(seq)
-        return seq.request_id
+        request = self.make_request(prompt, params)
+        self.add(request)
+        return request.request_id
 
     def abort_request(self, request_id: str) -> None:
-        seq = self.seqs.pop(request_id, None)
-        if seq is not None and not seq.is_finished:
-            self.scheduler.finish(seq, "abort")
-            self.output_processor.forget(request_id)
+        """Abort a request (a parent: every child); its blocks and state slots go back to the pools."""
+        parent = self.parents.pop(request_id)
+        for seq_id in [c.request_id for c in parent.children] if parent is not None else [request_id]:
+            seq = self.seqs.pop(seq_id, None)
+            if seq is not None and not seq.is_finished:
+                self.scheduler.finish(seq, "abort")
+                self.output_processor.forget(seq_id)
         self.overlap.drop_if_finished()
+
+    def final_output(self, request: Request) -> RequestOutput:
+        """The output of a request that finished without handing it out (aborted from elsewhere)."""
+        if isinstance(request, Sequence):
+            return self.output_processor.make_output(request)
+        return request.make_output([self.output_processor.make_output(c) for c in request.unreported_children()])
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -169,7 +197,8 @@ class LLMEngine:
             self.overlap.drop_if_finished()
         finally:
             self._stepping.release()
-        return [out for seq in updated if (out := self.output_processor.make_output(seq)) is not None]
+        outputs = [out for seq in updated if (out := self.output_processor.make_output(seq)) is not None]
+        return self.parents.aggregate(outputs)  # children's outputs -> their parents' (n > 1)
 
     def _update(self, scheduled: list[ScheduledRequest], output: ModelRunnerOutput,
                 provisional: bool) -> list[Sequence]:
