@@ -9,7 +9,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import httpx
@@ -170,7 +170,9 @@ def test_metrics_expose_vllm_names(server: Server) -> None:
     ({"prompt": PROMPT, "temperature": "hot"}, 400, "temperature"),
     ({"prompt": PROMPT, "max_tokens": 0}, 400, "max_tokens"),
     ({"prompt": "a " * 400}, 400, "prompt"),
-    ({"prompt": PROMPT, "n": 2}, 400, "n"),
+    ({"prompt": PROMPT, "n": 0}, 400, "n"),
+    ({"prompt": PROMPT, "n": 1.5}, 400, "n"),
+    ({"prompt": PROMPT, "n": 10**6}, 400, "n"),  # more than the server queues at once (--max-waiting-requests)
     ({"prompt": PROMPT, "model": "no-such-model"}, 404, "model"),
 ])
 def test_bad_request_gets_openai_error_and_server_goes_on(server: Server, body: dict, status: int,
@@ -198,9 +200,11 @@ def test_api_key_is_required_when_set(servers: tuple[Server, Server]) -> None:
     assert httpx.get(spec.url + "/health").status_code == 200  # not behind the key
 
 
-def test_client_disconnect_mid_stream_aborts_and_frees_blocks(server: Server) -> None:
+@pytest.mark.parametrize("n", [1, 3])
+def test_client_disconnect_mid_stream_aborts_and_frees_blocks(server: Server, n: int) -> None:
+    """With n > 1 every choice's sequence is aborted."""
     before = server.metrics()["truespec:generation_tokens_total"]
-    body = {"prompt": PROMPT, "max_tokens": 200, "temperature": 0, "ignore_eos": True, "stream": True}
+    body = {"prompt": PROMPT, "max_tokens": 200, "temperature": 0, "ignore_eos": True, "stream": True, "n": n}
     with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=30) as r:
         assert next(line for line in r.iter_lines() if line.startswith("data:"))
     deadline = time.monotonic() + 30
@@ -210,7 +214,7 @@ def test_client_disconnect_mid_stream_aborts_and_frees_blocks(server: Server) ->
             break
         time.sleep(0.2)
     assert m["truespec:kv_cache_usage_perc"] == 0 and m["truespec:num_requests_running"] == 0
-    assert m["truespec:generation_tokens_total"] - before < 200  # aborted before its 200 tokens
+    assert m["truespec:generation_tokens_total"] - before < 200 * n  # aborted before its 200 tokens per choice
 
 
 def test_completion_of_several_prompts_and_token_ids(server: Server) -> None:
@@ -221,6 +225,11 @@ def test_completion_of_several_prompts_and_token_ids(server: Server) -> None:
                                    extra_body={"ignore_eos": True})
     assert [c.index for c in out.choices] == [0, 1] and out.choices[0].text == alone
     assert out.usage.completion_tokens == 12
+    both = client.completions.create(model=model, prompt=[PROMPT, REPETITIVE], max_tokens=6, temperature=0, n=2,
+                                     extra_body={"ignore_eos": True})  # prompt i's choice j: index i * n + j
+    assert [(c.index, c.text) for c in both.choices] == [(0, alone), (1, alone), (2, out.choices[1].text),
+                                                         (3, out.choices[1].text)]
+    assert (both.usage.prompt_tokens, both.usage.completion_tokens) == (out.usage.prompt_tokens, 24)
     by_ids = client.completions.create(model=model, prompt=tokens, max_tokens=6, temperature=0)
     assert by_ids.choices[0].text == alone
 
@@ -270,3 +279,66 @@ def test_streamed_logprobs_equal_non_streamed(server: Server) -> None:
     streamed = [(t.token, t.logprob) for c in client.chat.completions.create(**chat, stream=True)
                 if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
     assert streamed == whole and len(whole) == 10
+
+
+def _by_index(choices: list, text_of: Callable[[object], str | None]) -> dict[int, str]:
+    """Streamed choices' text joined per choice index."""
+    joined: dict[int, str] = {}
+    for c in choices:
+        joined[c.index] = joined.get(c.index, "") + (text_of(c) or "")
+    return joined
+
+
+def test_n_choices_stream_as_they_return_at_once(server: Server) -> None:
+    """n=2 completions and chat: each choice's streamed text, logprobs and finish_reason equal the non-streamed
+    choice of its index; usage counts the prompt once and the completion tokens of both choices."""
+    client, model = server.client(), _model(server)
+    prompt_tokens = client.completions.create(model=model, prompt=PROMPT, max_tokens=1).usage.prompt_tokens
+    kwargs = dict(model=model, prompt=PROMPT, max_tokens=8, temperature=0.8, seed=3, n=2, logprobs=1,
+                  extra_body={"ignore_eos": True})
+    full = client.completions.create(**kwargs)
+    assert [c.index for c in full.choices] == [0, 1] and [c.finish_reason for c in full.choices] == ["length"] * 2
+    assert full.choices[0].text != full.choices[1].text  # seeds 3 and 4
+    assert (full.usage.prompt_tokens, full.usage.completion_tokens) == (prompt_tokens, 16)
+    chunks = list(client.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}))
+    streamed = [c.choices[0] for c in chunks if c.choices]
+    assert all(len(c.choices) == 1 for c in chunks if c.choices)
+    assert _by_index(streamed, lambda c: c.text) == {i: c.text for i, c in enumerate(full.choices)}
+    for i, choice in enumerate(full.choices):
+        mine = [c for c in streamed if c.index == i]
+        assert [c.finish_reason for c in mine][-1] == "length"
+        assert [t for c in mine if c.logprobs for t in c.logprobs.tokens] == choice.logprobs.tokens
+        assert [o for c in mine if c.logprobs for o in c.logprobs.text_offset] == choice.logprobs.text_offset
+    assert (chunks[-1].usage.prompt_tokens, chunks[-1].usage.completion_tokens) == (prompt_tokens, 16)
+
+    messages = [{"role": "user", "content": "Write a function that adds two numbers."}]
+    chat = dict(model=model, messages=messages, max_tokens=8, temperature=0.8, seed=5, n=2,
+                extra_body={"ignore_eos": True})
+    whole = client.chat.completions.create(**chat)
+    assert [c.index for c in whole.choices] == [0, 1] and whole.usage.completion_tokens == 16
+    chunks = list(client.chat.completions.create(**chat, stream=True, stream_options={"include_usage": True}))
+    streamed = [c.choices[0] for c in chunks if c.choices]
+    assert [c.index for c in streamed if c.delta.role == "assistant"] == [0, 1]  # a role chunk per choice
+    assert _by_index(streamed, lambda c: c.delta.content) == {i: c.message.content
+                                                              for i, c in enumerate(whole.choices)}
+    assert {c.index: c.finish_reason for c in streamed if c.finish_reason} == {0: "length", 1: "length"}
+    assert chunks[-1].usage.completion_tokens == 16
+
+
+def test_each_choice_has_its_own_tool_and_reasoning_parser(servers: tuple[Server, Server]) -> None:
+    """Greedy n=2 with the parsers on: both choices are the n=1 response (content, reasoning, tool calls, finish
+    reason), streamed and not; one parser shared by the choices would see their text twice."""
+    client = servers[1].client()
+    kwargs = dict(model="spec", messages=[{"role": "user", "content": "Add 2 and 3."}], tools=TOOLS,
+                  tool_choice="auto", max_tokens=16, temperature=0)
+    one = client.chat.completions.create(**kwargs).choices[0]
+    two = client.chat.completions.create(**kwargs, n=2).choices
+    fields = ("content", "reasoning_content", "tool_calls")
+    expected = [getattr(one.message, f, None) for f in fields] + [one.finish_reason]
+    for choice in two:
+        assert [getattr(choice.message, f, None) for f in fields] + [choice.finish_reason] == expected
+    chunks = [c.choices[0] for c in client.chat.completions.create(**kwargs, n=2, stream=True) if c.choices]
+    streamed = _by_index(chunks, lambda c: c.delta.content)
+    assert streamed == {0: one.message.content or "", 1: one.message.content or ""}
+    assert {c.index: c.finish_reason for c in chunks if c.finish_reason} == {0: one.finish_reason,
+                                                                             1: one.finish_reason}

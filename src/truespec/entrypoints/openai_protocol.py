@@ -54,14 +54,12 @@ class SamplingRequest(BaseModel):
         return self.stream_options is not None and self.stream_options.include_usage
 
     def to_sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        if self.n != 1:
-            raise UnsupportedError("n", f"n={self.n} is not supported yet: only n=1")
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name) != 0:
                 raise UnsupportedError(name, f"{name} is not supported yet: only 0")
-        return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
-                              seed=self.seed, max_tokens=max_tokens, min_tokens=self.min_tokens, stop=self.stop,
-                              stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
+        return SamplingParams(n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+                              min_p=self.min_p, seed=self.seed, max_tokens=max_tokens, min_tokens=self.min_tokens,
+                              stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
                               skip_special_tokens=self.skip_special_tokens,
                               include_stop_str_in_output=self.include_stop_str_in_output, logprobs=logprobs)
 

@@ -1,10 +1,11 @@
 """POST /v1/completions and /v1/chat/completions: a request body -> engine requests -> a JSON body or an SSE stream.
 
-Each engine request is one ``Generation``: its DELTA outputs in order; closing it before the request finished
-(the client went away, an error) aborts the request, so its blocks and state slots go back to the pools.
+Each prompt is one engine request (a ``Generation``); with ``n`` > 1 its n choices come back as one response's
+choices (``index``: prompt i's choice j is i * n + j), or in a stream as chunks whose choice ``index`` says which.
+Each chat choice has its own ``ChatOutputParser`` (tool-call / reasoning state). Usage counts the prompt once and
+the completion tokens of every choice.
 """
 
-import asyncio
 import json
 from collections.abc import AsyncIterator, Callable
 
@@ -14,6 +15,7 @@ from pydantic import BaseModel
 
 from truespec.engine.llm_engine import LLMEngine, PromptType
 from truespec.entrypoints.chat_template import render_chat
+from truespec.entrypoints.generation import ClientDisconnectedError, Generation, add_usage
 from truespec.entrypoints.openai_logprobs import chat_logprobs, completion_logprobs
 from truespec.entrypoints.openai_protocol import (
     ChatChoice,
@@ -29,52 +31,9 @@ from truespec.entrypoints.openai_protocol import (
     UsageInfo,
     random_id,
 )
-from truespec.entrypoints.serve_loop import EngineLoop, RequestStream
+from truespec.entrypoints.serve_loop import EngineLoop
 from truespec.outputs import RequestOutput
 from truespec.sampling_params import SamplingParams
-
-DISCONNECT_POLL_S = 1.0  # how often a request waiting for tokens checks that its client is still there
-
-
-class ClientDisconnectedError(Exception):
-    pass
-
-
-class Generation:
-    """One engine request's outputs, as its handler reads them."""
-
-    def __init__(self, loop: EngineLoop, stream: RequestStream, raw: Request) -> None:
-        self.loop, self.stream, self.raw = loop, stream, raw
-        self.is_finished = False
-        self.num_prompt_tokens = self.num_output_tokens = 0
-        self.text_offset = 0  # completions logprobs: where the next streamed token's text starts
-
-    async def next(self) -> RequestOutput:
-        """The next output (raises the request's error, or ClientDisconnectedError)."""
-        while True:
-            try:
-                out = await asyncio.wait_for(self.stream.get(), DISCONNECT_POLL_S)
-                break
-            except TimeoutError:
-                if await self.raw.is_disconnected():
-                    raise ClientDisconnectedError from None
-            except BaseException:
-                self.is_finished = self.stream.request_id is None  # an add-time error: nothing to abort
-                raise
-        self.is_finished = out.finished
-        self.num_prompt_tokens = len(out.prompt_token_ids)
-        self.num_output_tokens += len(out.outputs[0].token_ids)
-        return out
-
-    def close(self) -> None:
-        if not self.is_finished:
-            self.loop.abort(self.stream)
-            self.is_finished = True
-
-    @property
-    def usage(self) -> UsageInfo:
-        return UsageInfo(prompt_tokens=self.num_prompt_tokens, completion_tokens=self.num_output_tokens,
-                         total_tokens=self.num_prompt_tokens + self.num_output_tokens)
 
 
 class ChatOutputParser:
@@ -114,92 +73,87 @@ class OpenAIServing:
             raise
         request_id = random_id("cmpl")
         if req.stream:
-            return await self._sse(gens[0], lambda out, g: self._completion_chunk(request_id, req, out, g),
+            return await self._sse(gens[0], lambda out, g: self._completion_chunks(request_id, req, out, g),
                                    lambda g: CompletionResponse(id=request_id, model=self.model_name, choices=[],
                                                                 usage=g.usage), req.include_usage)
         choices, usage = [], UsageInfo()
         for i, gen in enumerate(gens):
             try:
-                text, token_ids, logprobs, last = await self._collect(gen)
+                collected = await gen.collect(params.n)
             except BaseException:  # one prompt failed: the others are aborted
                 for other in gens:
                     other.close()
                 raise
-            lp = None
-            if req.logprobs is not None:
-                lp = completion_logprobs(self.engine.tokenizer, token_ids, logprobs, req.logprobs)
-            choices.append(CompletionChoice(index=i, text=text, logprobs=lp, finish_reason=last.finish_reason,
-                                            stop_reason=last.stop_reason))
-            usage = _add_usage(usage, gen.usage)
+            for j, c in enumerate(collected):
+                lp = None
+                if req.logprobs is not None:
+                    lp = completion_logprobs(self.engine.tokenizer, c.token_ids, c.logprobs, req.logprobs)
+                choices.append(CompletionChoice(index=i * params.n + j, text=c.text, logprobs=lp,
+                                                finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+            usage = add_usage(usage, gen.usage)
         return _json(CompletionResponse(id=request_id, model=self.model_name, choices=choices, usage=usage))
 
-    def _completion_chunk(self, request_id: str, req: CompletionRequest, out: RequestOutput,
-                          gen: Generation) -> BaseModel | None:
-        c = out.outputs[0]
-        lp = None
-        if req.logprobs is not None and c.logprobs is not None:  # every token's, also one whose text is held back
-            lp = completion_logprobs(self.engine.tokenizer, c.token_ids, c.logprobs, req.logprobs, gen.text_offset)
-            gen.text_offset += sum(len(token) for token in lp["tokens"])
-        if not c.text and not c.finished() and not (lp and lp["tokens"]):
-            return None
-        choice = CompletionChoice(index=0, text=c.text, logprobs=lp, finish_reason=c.finish_reason,
-                                  stop_reason=c.stop_reason)
-        return CompletionResponse(id=request_id, model=self.model_name, choices=[choice])
+    def _completion_chunks(self, request_id: str, req: CompletionRequest, out: RequestOutput,
+                           gen: Generation) -> list[BaseModel]:
+        """One chunk per choice that has something to stream."""
+        chunks = []
+        for c in out.outputs:
+            lp = None
+            if req.logprobs is not None and c.logprobs is not None:  # every token's, also one whose text is held
+                offset = gen.text_offsets.get(c.index, 0)
+                lp = completion_logprobs(self.engine.tokenizer, c.token_ids, c.logprobs, req.logprobs, offset)
+                gen.text_offsets[c.index] = offset + sum(len(token) for token in lp["tokens"])
+            if not c.text and not c.finished() and not (lp and lp["tokens"]):
+                continue
+            choice = CompletionChoice(index=c.index, text=c.text, logprobs=lp, finish_reason=c.finish_reason,
+                                      stop_reason=c.stop_reason)
+            chunks.append(CompletionResponse(id=request_id, model=self.model_name, choices=[choice]))
+        return chunks
 
     # ---- chat ------------------------------------------------------------------------------------
     async def create_chat_completion(self, req: ChatCompletionRequest, raw: Request) -> Response:
-        params = req.sampling_params()
-        parser, request_id = self.chat_parser(req), random_id("chatcmpl")  # a bad tool_choice: 400 before starting
+        params, request_id = req.sampling_params(), random_id("chatcmpl")
+        parsers = [self.chat_parser(req) for _ in range(params.n)]  # a bad tool_choice: 400 before starting
         prompt = await self.loop.call(lambda engine: render_chat(engine, req))
         gen = await self._start(prompt, params, raw)
         num_top = req.top_logprobs or 0
         if req.stream:
-            chunk = ChatCompletionChunk(id=request_id, model=self.model_name, choices=[
-                ChatStreamChoice(index=0, delta=DeltaMessage(role="assistant", content=""))])
-            return await self._sse(gen, lambda out, g: self._chat_chunk(request_id, req, parser, out),
+            first = [ChatCompletionChunk(id=request_id, model=self.model_name, choices=[
+                ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))]) for i in range(params.n)]
+            return await self._sse(gen, lambda out, g: self._chat_chunks(request_id, req, parsers, out),
                                    lambda g: ChatCompletionChunk(id=request_id, model=self.model_name, choices=[],
-                                                                 usage=g.usage), req.include_usage, first=chunk)
-        text, token_ids, logprobs, last = await self._collect(gen)
-        lp = chat_logprobs(self.engine.tokenizer, token_ids, logprobs, num_top) if req.logprobs else None
-        message, reason = parser.final(text), parser.finish_reason(last.finish_reason)
-        choice = ChatChoice(index=0, message=message, logprobs=lp, finish_reason=reason, stop_reason=last.stop_reason)
-        return _json(ChatCompletionResponse(id=request_id, model=self.model_name, choices=[choice], usage=gen.usage))
+                                                                 usage=g.usage), req.include_usage, first=first)
+        choices = []
+        for i, (c, parser) in enumerate(zip(await gen.collect(params.n), parsers, strict=True)):
+            lp = chat_logprobs(self.engine.tokenizer, c.token_ids, c.logprobs, num_top) if req.logprobs else None
+            choices.append(ChatChoice(index=i, message=parser.final(c.text), logprobs=lp,
+                                      finish_reason=parser.finish_reason(c.finish_reason), stop_reason=c.stop_reason))
+        return _json(ChatCompletionResponse(id=request_id, model=self.model_name, choices=choices, usage=gen.usage))
 
-    def _chat_chunk(self, request_id: str, req: ChatCompletionRequest, parser: ChatOutputParser,
-                    out: RequestOutput) -> BaseModel | None:
-        c = out.outputs[0]
-        delta = parser.delta(c.text, is_last=c.finished())
-        lp = None
-        if req.logprobs and c.logprobs is not None:  # every token's, also one whose text is held back
-            lp = chat_logprobs(self.engine.tokenizer, c.token_ids, c.logprobs, req.top_logprobs or 0)
-        if delta is None and not c.finished() and not (lp and lp["content"]):
-            return None
-        choice = ChatStreamChoice(index=0, delta=delta or DeltaMessage(), logprobs=lp,
-                                  finish_reason=parser.finish_reason(c.finish_reason))
-        return ChatCompletionChunk(id=request_id, model=self.model_name, choices=[choice])
+    def _chat_chunks(self, request_id: str, req: ChatCompletionRequest, parsers: list[ChatOutputParser],
+                     out: RequestOutput) -> list[BaseModel]:
+        """One chunk per choice that has something to stream, each through its choice's own parser."""
+        chunks = []
+        for c in out.outputs:
+            parser = parsers[c.index]
+            delta = parser.delta(c.text, is_last=c.finished())
+            lp = None
+            if req.logprobs and c.logprobs is not None:  # every token's, also one whose text is held back
+                lp = chat_logprobs(self.engine.tokenizer, c.token_ids, c.logprobs, req.top_logprobs or 0)
+            if delta is None and not c.finished() and not (lp and lp["content"]):
+                continue
+            choice = ChatStreamChoice(index=c.index, delta=delta or DeltaMessage(), logprobs=lp,
+                                      finish_reason=parser.finish_reason(c.finish_reason))
+            chunks.append(ChatCompletionChunk(id=request_id, model=self.model_name, choices=[choice]))
+        return chunks
 
     # ---- shared ----------------------------------------------------------------------------------
     async def _start(self, prompt: PromptType, params: SamplingParams, raw: Request) -> Generation:
         return Generation(self.loop, self.loop.submit(prompt, params), raw)
 
-    @staticmethod
-    async def _collect(gen: Generation) -> tuple[str, list[int], list, object]:
-        """The request's whole text, tokens, logprobs and last CompletionOutput."""
-        texts, token_ids, logprobs = [], [], []
-        try:
-            while True:
-                c = (await gen.next()).outputs[0]
-                texts.append(c.text)
-                token_ids += c.token_ids
-                logprobs += c.logprobs or []
-                if c.finished():
-                    return "".join(texts), token_ids, logprobs, c
-        finally:
-            gen.close()
-
-    async def _sse(self, gen: Generation, chunk_of: Callable[[RequestOutput, Generation], BaseModel | None],
+    async def _sse(self, gen: Generation, chunks_of: Callable[[RequestOutput, Generation], list[BaseModel]],
                    usage_chunk: Callable[[Generation], BaseModel], include_usage: bool,
-                   first: BaseModel | None = None) -> StreamingResponse:
+                   first: list[BaseModel] | None = None) -> StreamingResponse:
         try:
             out = await gen.next()  # an add-time error (bad prompt) is still an HTTP error, not a stream
         except BaseException:
@@ -209,11 +163,10 @@ class OpenAIServing:
         async def events() -> AsyncIterator[str]:
             current = out
             try:
-                if first is not None:
-                    yield _event(first)
+                for chunk in first or []:
+                    yield _event(chunk)
                 while True:
-                    chunk = chunk_of(current, gen)
-                    if chunk is not None:
+                    for chunk in chunks_of(current, gen):
                         yield _event(chunk)
                     if current.finished:
                         break
@@ -238,9 +191,3 @@ def _event(chunk: BaseModel) -> str:
 
 def _json(body: BaseModel) -> JSONResponse:
     return JSONResponse(body.model_dump(mode="json"))
-
-
-def _add_usage(a: UsageInfo, b: UsageInfo) -> UsageInfo:
-    return UsageInfo(prompt_tokens=a.prompt_tokens + b.prompt_tokens,
-                     completion_tokens=a.completion_tokens + b.completion_tokens,
-                     total_tokens=a.total_tokens + b.total_tokens)

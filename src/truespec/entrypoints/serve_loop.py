@@ -18,6 +18,7 @@ from dataclasses import dataclass, field, replace
 from typing import TypeVar
 
 from truespec.engine.llm_engine import LLMEngine, PromptType
+from truespec.entrypoints.openai_protocol import UnsupportedError
 from truespec.entrypoints.server_metrics import ServerMetrics
 from truespec.outputs import RequestOutput
 from truespec.sampling_params import RequestOutputKind, SamplingParams
@@ -95,12 +96,16 @@ class EngineLoop:
         return self._thread.is_alive()
 
     def submit(self, prompt: PromptType, params: SamplingParams) -> RequestStream:
-        """Queue a request; its DELTA outputs arrive on the returned stream. Raises ServerBusyError when
-        ``max_waiting_requests`` are already waiting."""
+        """Queue a request; its DELTA outputs arrive on the returned stream. Each of its ``n`` sequences counts as a
+        waiting request: ServerBusyError when they would pass ``max_waiting_requests``, a ValueError naming ``n``
+        when they could never fit."""
+        if params.n > self.max_waiting_requests:
+            raise UnsupportedError("n", f"n={params.n} is more than this server queues at once "
+                                        f"(--max-waiting-requests {self.max_waiting_requests})")
         with self._lock:
-            if self._num_queued + self._num_engine_waiting >= self.max_waiting_requests:
+            if self._num_queued + self._num_engine_waiting + params.n > self.max_waiting_requests:
                 raise ServerBusyError(f"{self.max_waiting_requests} requests are already waiting; retry later")
-            self._num_queued += 1
+            self._num_queued += params.n
         stream = RequestStream(asyncio.get_running_loop())
         self._commands.put(_Add(prompt, replace(params, output_kind=RequestOutputKind.DELTA), stream))
         return stream
@@ -161,15 +166,15 @@ class EngineLoop:
 
     def _add(self, command: _Add) -> None:
         with self._lock:
-            self._num_queued -= 1
+            self._num_queued -= command.params.n
         try:
-            seq = self.engine.make_sequence(command.prompt, command.params)
-            self.engine.add_sequence(seq)
+            request = self.engine.make_request(command.prompt, command.params)
+            self.engine.add(request)
         except Exception as e:  # noqa: BLE001 - ValueError: bad input (HTTP 400); anything else fails it alone
             command.stream.put(e)
             return
-        command.stream.request_id = seq.request_id
-        self._streams[seq.request_id] = command.stream
+        command.stream.request_id = request.request_id
+        self._streams[request.request_id] = command.stream
 
     def _deliver(self, out: RequestOutput) -> None:
         stream = self._streams.get(out.request_id)
