@@ -26,7 +26,7 @@ QWEN35_08B = dict(
     vocab_size=248320, hidden_size=1024, intermediate_size=3584, num_hidden_layers=24,
     layer_types=["linear_attention"] * 3 + ["full_attention"], num_attention_heads=8, num_key_value_heads=2,
     head_dim=256, linear_num_key_heads=16, linear_num_value_heads=16, linear_key_head_dim=128,
-    linear_value_head_dim=128, linear_conv_kernel_dim=4, max_position_embeddings=8192, rms_norm_eps=1e-6,
+    linear_value_head_dim=128, linear_conv_kernel_dim=4, max_position_embeddings=262144, rms_norm_eps=1e-6,
     tie_word_embeddings=True, hidden_act="silu",
     rope_parameters={"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25},
 )

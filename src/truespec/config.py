@@ -25,6 +25,11 @@ class EngineConfig:
     num_gpu_blocks_override: int | None = None
     gpu_memory_utilization: float = 0.9
     cpu_kv_cache_space_gib: float = 4.0
+    # sparse-V tile skip in the attention kernels ("off" | "on" | "auto": on for rows with at least
+    # sparse_v_ctx_threshold keys); None: env TRUESPEC_SPARSE_V / _THRESHOLD / _CTX_THRESHOLD, else off, 1e-3, 8192
+    sparse_v: str | None = None
+    sparse_v_threshold: float | None = None
+    sparse_v_ctx_threshold: int | None = None
     seed: int = 0
     speculative_config: "SpeculativeConfig | dict | None" = None
     enforce_eager: bool = False  # vLLM: never use CUDA graphs (same as cudagraph_mode NONE)

@@ -70,6 +70,9 @@ class LLMEngine:
         self.scheduler = Scheduler(self.kv, n, config.max_num_batched_tokens, num_lookahead_tokens(spec))
         self.proposer = make_proposer(spec, drafter, num_blocks, self.kv.num_state_slots, self.device, config.seed,
                                       graphs, self.hf_config.hidden_size, cache.kv_cache_dtype)
+        self.runner.graphs.warm_up(config.max_num_batched_tokens, num_blocks)  # compile now, not in a first prompt
+        if isinstance(self.proposer, ModelDrafter):
+            self.proposer.graphs.warm_up(config.max_num_batched_tokens, num_blocks)
         self.spec_metrics = SpecDecodeMetrics(k)
         self.draft_length = DraftLengthPolicy(k, spec.min_draft_acceptance if spec is not None else None)
         # the drafts a request's next step verifies (a closure, not a bound method: the async scheduler keeps it,

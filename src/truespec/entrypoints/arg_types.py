@@ -30,3 +30,18 @@ def writable_path(text: str) -> Path:
     if not os.access(path.parent, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
         raise argparse.ArgumentTypeError(f"cannot write {path}")
     return path
+
+
+def add_sparse_v_args(parser: argparse.ArgumentParser) -> None:
+    """--sparse-v / --sparse-v-threshold / --sparse-v-ctx-threshold (unset: TRUESPEC_SPARSE_V* or the default)."""
+    parser.add_argument("--sparse-v", choices=("off", "on", "auto"), default=None,
+                        help="skip the V tiles whose softmax weights are all below --sparse-v-threshold (default off; "
+                             "auto: rows with at least --sparse-v-ctx-threshold keys)")
+    parser.add_argument("--sparse-v-threshold", type=float, default=None, help="default 1e-3 (0: never skips)")
+    parser.add_argument("--sparse-v-ctx-threshold", type=at_least(0), default=None, help="default 8192")
+
+
+def sparse_v_kwargs(args: argparse.Namespace) -> dict[str, object]:
+    """The ``LLM`` keywords of the sparse-V flags that were given."""
+    names = ("sparse_v", "sparse_v_threshold", "sparse_v_ctx_threshold")
+    return {name: getattr(args, name) for name in names if getattr(args, name) is not None}

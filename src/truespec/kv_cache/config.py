@@ -4,12 +4,18 @@ How many blocks fit is discovered when the engine sizes the pool (``sizing.py``)
 ``KVCacheManager`` that holds them.
 """
 
+import os
 from dataclasses import dataclass
 
 from truespec.config import EngineConfig, check, is_finite, is_pos_int
 
 # "auto": the model's dtype; the others are described in formats.py (which imports torch: this module does not)
 KV_CACHE_DTYPES = ("auto", "fp8", "turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc")
+SPARSE_V_MODES = ("off", "on", "auto")
+# (EngineConfig field, environment variable read when the field is None, its parser, the default without either)
+_SPARSE_V_SETTINGS = (("sparse_v", "TRUESPEC_SPARSE_V", str, "off"),
+                      ("sparse_v_threshold", "TRUESPEC_SPARSE_V_THRESHOLD", float, 1e-3),
+                      ("sparse_v_ctx_threshold", "TRUESPEC_SPARSE_V_CTX_THRESHOLD", int, 8192))
 
 
 @dataclass(frozen=True)
@@ -19,6 +25,12 @@ class CacheConfig:
     num_gpu_blocks_override: int | None = None
     gpu_memory_utilization: float = 0.9  # share of the device's memory the engine may fill (CUDA)
     cpu_kv_cache_space_gib: float = 4.0  # KV pool size on CPU (vLLM's VLLM_CPU_KVCACHE_SPACE)
+    # Sparse-V (attention kernels): a KV tile whose softmax weights, normalised by the running sum, are all below
+    # sparse_v_threshold adds nothing measurable to the output, so its V is neither loaded nor decoded. "on": for
+    # every row; "auto": for rows with at least sparse_v_ctx_threshold keys; "off" (and threshold 0) never skip.
+    sparse_v: str = "off"
+    sparse_v_threshold: float = 1e-3
+    sparse_v_ctx_threshold: int = 8192
 
     def __post_init__(self) -> None:
         check(is_pos_int(self.block_size), "block_size", f"must be a positive int, got {self.block_size!r}")
@@ -30,10 +42,37 @@ class CacheConfig:
               "gpu_memory_utilization", f"must be a number in (0, 1], got {self.gpu_memory_utilization!r}")
         check(is_finite(self.cpu_kv_cache_space_gib) and self.cpu_kv_cache_space_gib > 0, "cpu_kv_cache_space_gib",
               f"must be a finite number > 0, got {self.cpu_kv_cache_space_gib!r}")
+        check(self.sparse_v in SPARSE_V_MODES, "sparse_v", f"must be one of {SPARSE_V_MODES}, got {self.sparse_v!r}")
+        check(is_finite(self.sparse_v_threshold) and 0 <= self.sparse_v_threshold < 1, "sparse_v_threshold",
+              f"must be a number in [0, 1), got {self.sparse_v_threshold!r}")
+        check(isinstance(self.sparse_v_ctx_threshold, int) and not isinstance(self.sparse_v_ctx_threshold, bool)
+              and self.sparse_v_ctx_threshold >= 0, "sparse_v_ctx_threshold",
+              f"must be an int >= 0, got {self.sparse_v_ctx_threshold!r}")
+
+    @property
+    def sparse_v_min_keys(self) -> int | None:
+        """Rows with at least this many keys may skip V tiles; None: sparse-V is off (mode off or threshold 0)."""
+        if self.sparse_v == "off" or self.sparse_v_threshold == 0:
+            return None
+        return self.sparse_v_ctx_threshold if self.sparse_v == "auto" else 0
 
     @classmethod
     def from_engine_config(cls, config: EngineConfig) -> "CacheConfig":
         return cls(block_size=config.block_size, kv_cache_dtype=config.kv_cache_dtype,
                    num_gpu_blocks_override=config.num_gpu_blocks_override,
                    gpu_memory_utilization=config.gpu_memory_utilization,
-                   cpu_kv_cache_space_gib=config.cpu_kv_cache_space_gib)
+                   cpu_kv_cache_space_gib=config.cpu_kv_cache_space_gib, **_sparse_v_settings(config))
+
+
+def _sparse_v_settings(config: EngineConfig) -> dict[str, object]:
+    """The sparse-V fields: the config's, else the environment's (an unparsable value names its variable)."""
+    settings: dict[str, object] = {}
+    for name, env, parse, default in _SPARSE_V_SETTINGS:
+        value = getattr(config, name)
+        if value is None and os.environ.get(env):
+            try:
+                value = parse(os.environ[env])
+            except ValueError:
+                raise ValueError(f"{env}={os.environ[env]!r} is not a valid {name}") from None
+        settings[name] = default if value is None else value
+    return settings

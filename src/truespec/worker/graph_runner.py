@@ -45,6 +45,7 @@ class GraphRunner:
     def __init__(self, model: torch.nn.Module, name: str, settings: GraphSettings, device: torch.device,
                  hidden_size: int | None = None, hidden_dtype: torch.dtype | None = None, num_staging: int = 4) -> None:
         self.model, self.name, self.block_size, self.device = model, name, settings.block_size, device
+        self.hidden_size, self.hidden_dtype = hidden_size, hidden_dtype
         self.uses_hidden = bool(getattr(model, "uses_target_hidden", False))
         self.width = settings.max_blocks_per_req
         self.mode = mode = settings.mode
@@ -100,6 +101,28 @@ class GraphRunner:
             pool = graph.pool()
             self.graphs[size] = (graph, out)
         torch.cuda.synchronize(self.device)
+
+    # ---- warm-up -------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def warm_up(self, max_num_tokens: int, num_blocks: int) -> None:
+        """Run eager forwards of one request at the row counts whose kernels nothing else compiles (on CUDA):
+        the largest step (``max_num_tokens`` rows, and one fewer: Triton specialises integer arguments on
+        divisibility by 16) and one row count per matmul tile, so no user's long prompt waits for a Triton compile or
+        an fla autotune. Writes KV into blocks 0.. and no recurrent state (slot -1): nothing a request reads before
+        writing it itself."""
+        if self.device.type != "cuda":
+            return
+        max_num_tokens = min(max_num_tokens, num_blocks * self.block_size)
+        sizes = sorted({n for n in (1, 16, 17, 65, 513, max_num_tokens - 1, max_num_tokens) if 0 < n <= max_num_tokens})
+        with torch.cuda.device(self.device):
+            for n in sizes:
+                row = ContextRow(list(range(-(-n // self.block_size))), 0, n, -1, -1, n - 1, 1)
+                inputs = build_step([row], [0] * n, list(range(n)), self.block_size, self.device)
+                hidden = (torch.zeros(n, self.hidden_size, dtype=self.hidden_dtype, device=self.device)
+                          if self.uses_hidden else None)
+                with set_forward_context(inputs.ctx):
+                    self._call(inputs, None, hidden)
+            torch.cuda.synchronize(self.device)
 
     # ---- one forward ---------------------------------------------------------------------------
     def run(self, rows: list[ContextRow], input_ids: list[int], positions: list[int],
