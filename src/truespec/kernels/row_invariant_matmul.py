@@ -11,9 +11,8 @@ change bf16 tokens at batch size 1. Here a row's result depends only on the weig
   bias, then one rounding to the output dtype.
 * The tile depends on the row count (``TILES``): up to ``PARALLEL_MAX_M`` rows (decode and verify steps) the
   products are "swapped" (weight rows on the MMA's 64-wide side, input rows on its narrow side, so one row
-  still uses the tensor cores) and each segment is its own program, its sums written to an fp32 workspace; the
-  tile's last program to finish (an atomic counter per tile) adds them in order and writes the output, so the
-  split costs no second launch (split-K spreads a narrow weight over every SM: a decode step streams weights).
+  still uses the tensor cores) and each segment is its own program, its sums written to an fp32 workspace and
+  added by ``_sum_segments`` (split-K spreads a narrow weight over every SM: a decode step streams weights).
   More rows (long prefill chunks): a large plain tile whose program adds its segments itself, in the same order.
 
 Every tile feeds the tensor cores the same products in the same order, so the paths agree bitwise when the MMA's
@@ -25,8 +24,6 @@ With ``input_act`` the input is a merged gate/up output ``[gate | up]`` ([M, 2K]
 ``act(gate) * up`` as it loads each chunk (act_mul's own arithmetic, rounded to the model dtype): a gated MLP's
 down projection is then one launch, bitwise ``row_invariant_matmul(act_mul(gate, up, act), weight)``.
 """
-
-import functools
 
 import torch
 import triton
@@ -44,7 +41,6 @@ TILES = [(16, (64, 16, 128, 4, 3, True)), (32, (64, 32, 128, 4, 4, True)), (64, 
          (512, (64, 128, 128, 4, 3, True)), (None, (128, 128, 128, 8, 3, False))]  # H100 sweep, BENCHMARKS.md
 PARALLEL_MAX_M = 512  # up to this many rows the segments run in parallel programs (narrow weights need them)
 _TARGET_PROGRAMS = 64  # column blocks x segments at which a narrow weight's stream is spread enough (H100)
-MAX_TILES = 1 << 16  # tile counters of the parallel path (the 0.8B lm_head: 3,880 column blocks x 4 row blocks)
 _SHARED_MEMORY = 200 * 1024  # bytes of operand buffers a tile may stage (H100: 227 KB per SM)
 
 
@@ -115,14 +111,12 @@ def _segment_sum(x_ptr, w_ptr, offs_m, offs_n, mask_m, mask_n, k_start, k_end, K
 
 
 @triton.jit
-def _matmul_kernel(x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, counter_ptr, M, N, K, SEGMENT, stride_xm, stride_wn,
-                   stride_ym, SPLIT: tl.constexpr, PARALLEL: tl.constexpr, HAS_BIAS: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWAP: tl.constexpr,
-                   EVEN_K: tl.constexpr, HAS_ACT: tl.constexpr, IS_SILU: tl.constexpr, ACC_DTYPE: tl.constexpr,
-                   INTERPRETED: tl.constexpr):
+def _matmul_kernel(x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, M, N, K, SEGMENT, stride_xm, stride_wn, stride_ym,
+                   SPLIT: tl.constexpr, PARALLEL: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWAP: tl.constexpr, EVEN_K: tl.constexpr,
+                   HAS_ACT: tl.constexpr, IS_SILU: tl.constexpr, ACC_DTYPE: tl.constexpr, INTERPRETED: tl.constexpr):
     """One tile of BLOCK_N columns x BLOCK_M rows. PARALLEL (always SWAP): this program sums segment
-    program_id(2) into the workspace [SPLIT, M, N], and the tile's last program to finish (a counter per tile)
-    adds the SPLIT sums in order, the bias, and writes y; else it sums all SPLIT segments in order, adds the bias
+    program_id(2) into the workspace [SPLIT, M, N]; else it sums all SPLIT segments in order, adds the bias
     and writes y."""
     offs_n = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)  # vocab x hidden > 2^31
     offs_m = (tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
@@ -133,22 +127,8 @@ def _matmul_kernel(x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, counter_ptr, M, N, K, SEG
         part = _segment_sum(x_ptr, w_ptr, offs_m, offs_n, mask_m, mask_n, s * SEGMENT,
                             tl.minimum(K, (s + 1) * SEGMENT), K, stride_xm, stride_wn, BLOCK_M, BLOCK_N, BLOCK_K,
                             True, EVEN_K, HAS_ACT, IS_SILU, ACC_DTYPE, INTERPRETED)
-        mask = mask_n[:, None] & mask_m[None, :]
-        ws_offs = offs_m[None, :] * N + offs_n[:, None]  # [BLOCK_N, BLOCK_M] into one segment's [M, N]
-        tl.store(ws_ptr + s * M * N + ws_offs, part, mask=mask)
-        # The last of the tile's SPLIT programs to arrive adds the sums: the barrier makes every thread's store
-        # part of the program's release, and the acquire makes the others' stores visible to the last one
-        tl.debug_barrier()
-        tile = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
-        if tl.atomic_add(counter_ptr + tile, 1, sem="acq_rel") == SPLIT - 1:
-            total = tl.load(ws_ptr + ws_offs, mask=mask, other=0.0, cache_modifier=".cg")  # L2: not a stale L1
-            for t in tl.static_range(1, SPLIT):
-                total = total + tl.load(ws_ptr + t * M * N + ws_offs, mask=mask, other=0.0, cache_modifier=".cg")
-            if HAS_BIAS:
-                total = total + tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[:, None]
-            tl.store(y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None], total.to(y_ptr.dtype.element_ty),
-                     mask=mask)
-            tl.atomic_xchg(counter_ptr + tile, 0)  # ready for the next call (launches on a stream never overlap)
+        tl.store(ws_ptr + (s * M + offs_m[None, :]) * N + offs_n[:, None], part,
+                 mask=mask_n[:, None] & mask_m[None, :])
     else:
         total = _segment_sum(x_ptr, w_ptr, offs_m, offs_n, mask_m, mask_n, 0, tl.minimum(K, SEGMENT), K,
                              stride_xm, stride_wn, BLOCK_M, BLOCK_N, BLOCK_K, SWAP, EVEN_K, HAS_ACT, IS_SILU,
@@ -169,11 +149,19 @@ def _matmul_kernel(x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, counter_ptr, M, N, K, SEG
                      mask=mask_m[:, None] & mask_n[None, :])
 
 
-@functools.cache
-def _tile_counters(device: torch.device) -> torch.Tensor:
-    """Per-tile arrival counters of the parallel path, zero between calls (the last program resets its own):
-    allocated once per device, before any graph capture (the warm-up's eager calls come first)."""
-    return torch.zeros(MAX_TILES, dtype=torch.int32, device=device)
+@triton.jit
+def _sum_segments(ws_ptr, b_ptr, y_ptr, M, N, stride_ym, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
+                  BLOCK: tl.constexpr):
+    """y = ((ws[0] + ws[1]) + ...) + bias, rounded once: the same additions as the non-parallel path."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < M * N
+    total = tl.load(ws_ptr + offs, mask=mask, other=0.0)
+    for s in tl.static_range(1, SPLIT):
+        total = total + tl.load(ws_ptr + s * M * N + offs, mask=mask, other=0.0)
+    n = offs % N
+    if HAS_BIAS:
+        total = total + tl.load(b_ptr + n, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + (offs // N) * stride_ym + n, total.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 def row_invariant_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -193,14 +181,14 @@ def row_invariant_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     block_n, block_m, block_k, warps, stages, swap = _tile(m, x.element_size())
     ws = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if parallel else y
     grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m), split if parallel else 1)
-    if parallel and grid[0] * grid[1] > MAX_TILES:
-        raise ValueError(f"row_invariant_matmul: {grid[0] * grid[1]} tiles exceed MAX_TILES={MAX_TILES}")
-    counters = _tile_counters(x.device) if parallel else y
-    _matmul_kernel[grid](x, weight, bias if bias is not None else weight, y, ws, counters, m, n, k, segment,
-                         x.stride(0), weight.stride(0), y.stride(0), SPLIT=split, PARALLEL=parallel,
-                         HAS_BIAS=bias is not None,
+    _matmul_kernel[grid](x, weight, bias if bias is not None else weight, y, ws, m, n, k, segment, x.stride(0),
+                         weight.stride(0), y.stride(0), SPLIT=split, PARALLEL=parallel, HAS_BIAS=bias is not None,
                          BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SWAP=swap or parallel,
                          EVEN_K=k % block_k == 0 and segment % block_k == 0, HAS_ACT=input_act is not None,
                          IS_SILU=input_act != "sigmoid", ACC_DTYPE=tl_compute_dtype(x.dtype),
                          INTERPRETED=is_interpreter(), num_warps=warps, num_stages=1 if is_interpreter() else stages)
+    if parallel:
+        block = 1024
+        _sum_segments[(triton.cdiv(m * n, block),)](ws, bias if bias is not None else weight, y, m, n, y.stride(0),
+                                                     SPLIT=split, HAS_BIAS=bias is not None, BLOCK=block)
     return y
