@@ -22,9 +22,8 @@ from truespec.kernels.paged_attention import (  # noqa: E402
     MAX_SPLITS,
     MIN_SPLIT_KEYS,
     paged_attention,
-    split_layout,
 )
-from truespec.ops.attention import paged_attention_ref  # noqa: E402
+from truespec.ops.attention import paged_attention_ref, split_layout  # noqa: E402
 
 SMALL = dict(block_n=16, max_splits=4, min_split_keys=16)  # rows of 17..64 keys: 2-4 splits of 16 keys
 # (num_cached, query_len): decode, 1+3 verify, prefill chunk on a cached prefix, fresh prefill, empty query,
