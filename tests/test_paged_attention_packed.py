@@ -20,6 +20,7 @@ triton = pytest.importorskip("triton")
 
 from helpers.attention_rows import (  # noqa: E402
     packed_batch,
+    packed_cache,
     packed_reference,
     rows_alone_and_in_batches,
     workspace_row_bytes,
@@ -32,7 +33,6 @@ from helpers.kernels import (  # noqa: E402
     gpu,
     needs_cuda,
     poisoned_empty,
-    randn,
 )
 from truespec.kernels.paged_attention import MAX_SPLITS  # noqa: E402
 from truespec.kernels.paged_attention_packed import paged_attention_packed  # noqa: E402
@@ -78,15 +78,10 @@ def check_row_same_alone_and_in_batch(name: str, num_heads: int, num_kv_heads: i
     beside other requests, inside a prefill chunk with padding rows and inside a mixed batch run in row chunks:
     bitwise equal."""
     fmt = FORMATS[name]
-
-    def make_cache(num_blocks: int, gen: torch.Generator) -> torch.Tensor:
-        kv = randn(2, num_blocks * block_size, num_kv_heads, head_dim, dtype=torch.float32, gen=gen)
-        return fmt.encode(kv[0], kv[1]).view(num_blocks, block_size, num_kv_heads, -1).contiguous()
-
     attend = functools.partial(paged_attention_packed, fmt=fmt, head_dim=head_dim, **layout)
     row_bytes = workspace_row_bytes(num_heads, head_dim, layout.get("max_splits", MAX_SPLITS), torch.float32)
-    alone, *batched = rows_alone_and_in_batches(attend, make_cache, num_heads, head_dim, block_size, context, k,
-                                                torch.float32, row_bytes)  # fmt: skip
+    alone, *batched = rows_alone_and_in_batches(attend, packed_cache(fmt, block_size), num_heads, num_kv_heads,
+                                                head_dim, block_size, context, k, torch.float32, row_bytes)  # fmt: skip
     for out in batched:
         assert torch.equal(alone, out)
 

@@ -20,6 +20,7 @@ triton = pytest.importorskip("triton")
 
 from helpers.attention_rows import (  # noqa: E402
     packed_batch,
+    packed_cache,
     packed_reference,
     rows_alone_and_in_batches,
     workspace_row_bytes,
@@ -114,14 +115,10 @@ def check_split_rows_same_alone_and_in_batches(name: str, dtype: torch.dtype, nu
     assert min(split_layout(n, layout["block_n"], layout["max_splits"], layout["min_split_keys"])[1]
                for n in keys) >= min_row_splits  # fmt: skip
 
-    def make_cache(num_blocks: int, gen: torch.Generator) -> torch.Tensor:
-        kv = randn(2, num_blocks * block_size, num_kv_heads, head_dim, dtype=torch.float32, gen=gen)
-        return fmt.encode(kv[0], kv[1]).view(num_blocks, block_size, num_kv_heads, -1).contiguous()
-
     attend = functools.partial(paged_attention_packed, fmt=fmt, head_dim=head_dim, **layout)
     row_bytes = workspace_row_bytes(num_heads, head_dim, layout["max_splits"], dtype)
-    alone, *batched = rows_alone_and_in_batches(attend, make_cache, num_heads, head_dim, block_size, context, k,
-                                                dtype, row_bytes)  # fmt: skip
+    alone, *batched = rows_alone_and_in_batches(attend, packed_cache(fmt, block_size), num_heads, num_kv_heads,
+                                                head_dim, block_size, context, k, dtype, row_bytes)  # fmt: skip
     for out in batched:
         assert torch.equal(alone, out)
 
