@@ -1,6 +1,6 @@
 """How the paged attention kernel (kernels/paged_attention.py) reads one tile of keys or values from its cache.
 
-A tile is BLOCK_N cache slots, given as a [BLOCK_N] tensor of pointers to each slot's start (one KV head's part).
+A tile is BLOCK_N cache slots of one KV head, given as their offsets [BLOCK_N] from the head's base pointer.
 The encoding of keys and of values is a compile-time constant, so each cache dtype compiles to its own loop:
 
 - ``MODEL``: the model-dtype cache; a slot's K is HEAD_DIM elements, its V sits ``value_offset`` elements on (the
@@ -25,7 +25,9 @@ import triton.language as tl
 
 from truespec.kernels.triton_utils import mma, reduce_sum
 
-MODEL, FP8, LLOYD_MAX, UNIFORM = 0, 1, 2, 3  # tile encodings (KEY_ENC / VALUE_ENC)
+MODEL, FP8, LLOYD_MAX, UNIFORM = 0, 1, 2, 3  # tile encodings (KEY_ENC / VALUE_ENC), as the host passes them
+# the same, readable inside @triton.jit code (compiled kernels may read only constexpr globals)
+ENC_MODEL, ENC_FP8 = tl.constexpr(MODEL), tl.constexpr(FP8)
 
 
 class CacheTiles(NamedTuple):
@@ -67,17 +69,26 @@ def load_fp8(ptr, mask):
 
 
 @triton.jit
-def tile_scores(q, slot_ptr, d, n_mask, kv_mask, centroids_ptr, KEY_ENC: tl.constexpr, KEY_BITS: tl.constexpr,
-                KEY_CODE_BYTES: tl.constexpr, UPCAST: tl.constexpr):  # fmt: skip
-    """Unscaled scores [GROUP_PAD, BLOCK_N] of q [GROUP_PAD, HEAD_DIM_PAD] (the model dtype for MODEL keys, else
-    the accumulator dtype, rotated for LLOYD_MAX) against the keys of the slots at ``slot_ptr`` [BLOCK_N]."""
-    if KEY_ENC == MODEL:
-        k = tl.load(slot_ptr[:, None] + d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, HEAD_DIM_PAD]
+def tile_queries(q, KEY_ENC: tl.constexpr, ACC_DTYPE: tl.constexpr):
+    """The query tile as ``tile_scores`` reads it: the model dtype for MODEL keys, else the accumulator dtype."""
+    if KEY_ENC != ENC_MODEL:
+        q = q.to(ACC_DTYPE)
+    return q
+
+
+@triton.jit
+def tile_scores(q, head_ptr, slot_off, d, n_mask, kv_mask, centroids_ptr, KEY_ENC: tl.constexpr,
+                KEY_BITS: tl.constexpr, KEY_CODE_BYTES: tl.constexpr, UPCAST: tl.constexpr):  # fmt: skip
+    """Unscaled scores [GROUP_PAD, BLOCK_N] of q [GROUP_PAD, HEAD_DIM_PAD] (``tile_queries``) against the keys of
+    the tile's slots, which start ``slot_off`` [BLOCK_N] elements (bytes for a packed cache) past ``head_ptr``."""
+    if KEY_ENC == ENC_MODEL:
+        k = tl.load(head_ptr + (slot_off[:, None] + d[None, :]), mask=kv_mask, other=0.0)  # [BLOCK_N, HEAD_DIM_PAD]
         s = mma(q, tl.trans(k), UPCAST)
-    elif KEY_ENC == FP8:
-        k = load_fp8(slot_ptr[:, None] + d[None, :], kv_mask).to(q.dtype)
+    elif KEY_ENC == ENC_FP8:
+        k = load_fp8(head_ptr + (slot_off[:, None] + d[None, :]), kv_mask).to(q.dtype)
         s = mma(q, tl.trans(k), False)
     else:
+        slot_ptr = head_ptr + slot_off  # [BLOCK_N]
         codes = unpack_codes(slot_ptr[:, None], d[None, :], kv_mask, KEY_BITS, KEY_CODE_BYTES)
         c = tl.load(centroids_ptr + codes, mask=kv_mask, other=0.0)  # [BLOCK_N, HEAD_DIM_PAD]
         c_norm = tl.sqrt(reduce_sum(c * c, 1))
@@ -88,18 +99,19 @@ def tile_scores(q, slot_ptr, d, n_mask, kv_mask, centroids_ptr, KEY_ENC: tl.cons
 
 
 @triton.jit
-def tile_values(value_ptr, d, n_mask, kv_mask, VALUE_ENC: tl.constexpr, VALUE_BITS: tl.constexpr,
+def tile_values(value_ptr, slot_off, d, n_mask, kv_mask, VALUE_ENC: tl.constexpr, VALUE_BITS: tl.constexpr,
                 VALUE_CODE_BYTES: tl.constexpr, ACC_DTYPE: tl.constexpr):  # fmt: skip
-    """Values [BLOCK_N, HEAD_DIM_PAD] of the slots whose value parts start at ``value_ptr`` [BLOCK_N]: the model
-    dtype for MODEL values, else decoded in the accumulator dtype (masked lanes 0)."""
-    if VALUE_ENC == MODEL:
-        v = tl.load(value_ptr[:, None] + d[None, :], mask=kv_mask, other=0.0)
-    elif VALUE_ENC == FP8:
-        v = load_fp8(value_ptr[:, None] + d[None, :], kv_mask).to(ACC_DTYPE)
+    """Values [BLOCK_N, HEAD_DIM_PAD] of the tile's slots, whose value parts start ``slot_off`` [BLOCK_N] past
+    ``value_ptr``: the model dtype for MODEL values, else decoded in the accumulator dtype (masked lanes 0)."""
+    if VALUE_ENC == ENC_MODEL:
+        v = tl.load(value_ptr + (slot_off[:, None] + d[None, :]), mask=kv_mask, other=0.0)
+    elif VALUE_ENC == ENC_FP8:
+        v = load_fp8(value_ptr + (slot_off[:, None] + d[None, :]), kv_mask).to(ACC_DTYPE)
     else:
-        codes = unpack_codes(value_ptr[:, None], d[None, :], kv_mask, VALUE_BITS, VALUE_CODE_BYTES)
-        v_scale = load_fp16(value_ptr + VALUE_CODE_BYTES, n_mask).to(ACC_DTYPE)
-        v_zero = load_fp16(value_ptr + VALUE_CODE_BYTES + 2, n_mask).to(ACC_DTYPE)
+        slot_ptr = value_ptr + slot_off  # [BLOCK_N]
+        codes = unpack_codes(slot_ptr[:, None], d[None, :], kv_mask, VALUE_BITS, VALUE_CODE_BYTES)
+        v_scale = load_fp16(slot_ptr + VALUE_CODE_BYTES, n_mask).to(ACC_DTYPE)
+        v_zero = load_fp16(slot_ptr + VALUE_CODE_BYTES + 2, n_mask).to(ACC_DTYPE)
         v = codes.to(ACC_DTYPE) * v_scale[:, None] + v_zero[:, None]
         v = tl.where(kv_mask, v, 0.0)
     return v

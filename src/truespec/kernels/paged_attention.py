@@ -59,7 +59,7 @@ import torch
 import triton
 import triton.language as tl
 
-from truespec.kernels.kv_tiles import MODEL, CacheTiles, tile_scores, tile_values
+from truespec.kernels.kv_tiles import MODEL, CacheTiles, tile_queries, tile_scores, tile_values
 from truespec.kernels.triton_utils import (
     find_request,
     mma,
@@ -153,8 +153,7 @@ def _paged_attention_kernel(
     heads = kv_head * GROUP + g
     q_mask = (g[:, None] < GROUP) & (d[None, :] < HEAD_DIM)
     q = tl.load(q_ptr + token * stride_q_tok + heads[:, None] * stride_q_head + d[None, :], mask=q_mask, other=0.0)
-    if KEY_ENC != MODEL:  # decoded keys are scored in the accumulator dtype
-        q = q.to(ACC_DTYPE)
+    q = tile_queries(q, KEY_ENC, ACC_DTYPE)  # decoded keys are scored in the accumulator dtype
     scale_acc = tl.full([], scale, ACC_DTYPE)
     threshold = tl.full([], sparse_v_threshold, ACC_DTYPE)
 
@@ -166,27 +165,28 @@ def _paged_attention_kernel(
         n = tile_start + tl.arange(0, BLOCK_N)
         n_mask = n < key_end
         blocks = tl.load(block_tables_ptr + r * stride_bt_req + n // BLOCK_SIZE, mask=n_mask, other=0)
-        slot_ptr = cache_head_ptr + blocks * stride_cache_block + (n % BLOCK_SIZE) * stride_cache_slot  # [BLOCK_N]
+        slot_off = blocks * stride_cache_block + (n % BLOCK_SIZE) * stride_cache_slot  # [BLOCK_N] int64
         kv_mask = n_mask[:, None] & (d[None, :] < HEAD_DIM)
-        s = tile_scores(q, slot_ptr, d, n_mask, kv_mask, centroids_ptr, KEY_ENC, KEY_BITS, KEY_CODE_BYTES, UPCAST)
+        s = tile_scores(q, cache_head_ptr, slot_off, d, n_mask, kv_mask, centroids_ptr, KEY_ENC, KEY_BITS,
+                        KEY_CODE_BYTES, UPCAST)  # fmt: skip
         s = s * scale_acc  # [GROUP_PAD, BLOCK_N]
         s = tl.where(n_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m, reduce_max(s, 1))  # finite: every tile holds a key of this split
         alpha = tl.exp(m - m_new)
         p = tl.exp(s - m_new[:, None])
         l = l * alpha + reduce_sum(p, 1)
-        value_ptr = slot_ptr + value_offset
+        value_ptr = cache_head_ptr + value_offset
         if SPARSE_V:
             # the tile's largest weight p / l over the program's query heads (the GQA padding rows excluded)
             weight = reduce_max(tl.where(g < GROUP, reduce_max(p, 1) / l, 0.0), 0)
             if weight < threshold:  # strict: threshold 0 never skips
                 acc = acc * alpha[:, None]
             else:
-                acc = _add_values(acc, alpha, p, value_ptr, d, n_mask, kv_mask, VALUE_ENC, VALUE_BITS,
+                acc = _add_values(acc, alpha, p, value_ptr, slot_off, d, n_mask, kv_mask, VALUE_ENC, VALUE_BITS,
                                   VALUE_CODE_BYTES, ACC_DTYPE, UPCAST)  # fmt: skip
         else:
-            acc = _add_values(acc, alpha, p, value_ptr, d, n_mask, kv_mask, VALUE_ENC, VALUE_BITS, VALUE_CODE_BYTES,
-                              ACC_DTYPE, UPCAST)  # fmt: skip
+            acc = _add_values(acc, alpha, p, value_ptr, slot_off, d, n_mask, kv_mask, VALUE_ENC, VALUE_BITS,
+                              VALUE_CODE_BYTES, ACC_DTYPE, UPCAST)  # fmt: skip
         m = m_new
 
     if num_splits == 1:  # the unsplit loop: normalise and write the output here
@@ -201,10 +201,11 @@ def _paged_attention_kernel(
 
 
 @triton.jit
-def _add_values(acc, alpha, p, value_ptr, d, n_mask, kv_mask, VALUE_ENC: tl.constexpr, VALUE_BITS: tl.constexpr,
-                VALUE_CODE_BYTES: tl.constexpr, ACC_DTYPE: tl.constexpr, UPCAST: tl.constexpr):  # fmt: skip
+def _add_values(acc, alpha, p, value_ptr, slot_off, d, n_mask, kv_mask, VALUE_ENC: tl.constexpr,
+                VALUE_BITS: tl.constexpr, VALUE_CODE_BYTES: tl.constexpr, ACC_DTYPE: tl.constexpr,
+                UPCAST: tl.constexpr):  # fmt: skip
     """acc [GROUP_PAD, HEAD_DIM_PAD] rescaled by alpha plus p @ V of the tile (p cast to V's dtype)."""
-    v = tile_values(value_ptr, d, n_mask, kv_mask, VALUE_ENC, VALUE_BITS, VALUE_CODE_BYTES, ACC_DTYPE)
+    v = tile_values(value_ptr, slot_off, d, n_mask, kv_mask, VALUE_ENC, VALUE_BITS, VALUE_CODE_BYTES, ACC_DTYPE)
     return acc * alpha[:, None] + mma(p.to(v.dtype), v, UPCAST)
 
 

@@ -19,6 +19,9 @@ invariant 4). Padding rows write zeros. No host reads; grids and the workspace c
 rotation matrix and centroid table are cached per (head_dim, bits, dtype, device), so a first eager call before
 capture makes the wrapper CUDA-graph capturable. The cache is written by kernels/kv_store_packed.py (``store_packed``).
 
+fp64 q runs under Triton's interpreter only: compiled, Triton 3.6 cannot lower an fp64 ``tl.dot`` whose operand
+is decoded in registers ("fp64 don't support largeK MMA"), so the wrapper refuses fp64 on CUDA.
+
 Not done yet (speed only; correctness does not need them):
 - per-layer calibrated fp8 k_scale / v_scale (the formats use 1.0, as the reference).
 - no GPU tuning for packed caches: BLOCK_N / MAX_SPLITS / MIN_SPLIT_KEYS / num_warps are the model-dtype
@@ -46,8 +49,8 @@ from truespec.ops.precision import compute_dtype
 
 # kv_cache/formats.py's encoding names (kernels sit below kv_cache in the import order: tests/test_import_graph.py)
 FP8, LLOYD_MAX, UNIFORM = "fp8", "lloyd_max", "uniform"
-_KEY_ENCODINGS = {FP8: kv_tiles.FP8, LLOYD_MAX: kv_tiles.LLOYD_MAX}
-_VALUE_ENCODINGS = {FP8: kv_tiles.FP8, UNIFORM: kv_tiles.UNIFORM}
+KEY_ENCODINGS = {FP8: kv_tiles.FP8, LLOYD_MAX: kv_tiles.LLOYD_MAX}
+VALUE_ENCODINGS = {FP8: kv_tiles.FP8, UNIFORM: kv_tiles.UNIFORM}
 
 
 class KVFormat(Protocol):
@@ -84,7 +87,7 @@ def _dummy_table(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
 def check_packed_cache(kv_cache: torch.Tensor, fmt: KVFormat, head_dim: int) -> None:
     """Raise a ValueError unless ``kv_cache`` is a uint8 [num_blocks, block_size, num_kv_heads, bytes] cache of
     ``fmt`` (a packed format) at ``head_dim``, each slot's bytes contiguous."""
-    if fmt.key_encoding not in _KEY_ENCODINGS or fmt.value_encoding not in _VALUE_ENCODINGS:
+    if fmt.key_encoding not in KEY_ENCODINGS or fmt.value_encoding not in VALUE_ENCODINGS:
         raise ValueError(f"kv_cache_dtype {fmt.name!r} is not a packed format (use paged_attention)")
     fmt.check_head_dim(head_dim)
     if (kv_cache.dtype != torch.uint8 or kv_cache.dim() != 4 or kv_cache.shape[-1] != fmt.bytes_per_token(head_dim)
@@ -124,6 +127,9 @@ def paged_attention_packed(
     num_heads = q.shape[1]
     if q.shape[-1] != head_dim or num_heads % num_kv_heads != 0 or q.stride(-1) != 1:
         raise ValueError(f"q {tuple(q.shape)} (unit last stride) does not fit kv_cache {tuple(kv_cache.shape)}")
+    if q.dtype == torch.float64 and q.is_cuda:
+        raise ValueError("packed attention in fp64 does not compile on CUDA (Triton 3.6 has no fp64 MMA on "
+                         "register-decoded operands): fp64 models read packed caches through the torch reference")
     out = torch.empty_like(q) if out is None else out
     acc_dtype = compute_dtype(q.dtype)
     if fmt.is_rotated:
@@ -135,8 +141,8 @@ def paged_attention_packed(
         q_in, centroids, key_bits, key_code_bytes = q, _dummy_table(acc_dtype, q.device), 8, head_dim
     value_bits = fmt.value_bits if fmt.value_encoding == UNIFORM else 8
     assert value_bits is not None
-    encoding = dict(KEY_ENC=_KEY_ENCODINGS[fmt.key_encoding], KEY_BITS=key_bits, KEY_CODE_BYTES=key_code_bytes,
-                    VALUE_ENC=_VALUE_ENCODINGS[fmt.value_encoding], VALUE_BITS=value_bits,
+    encoding = dict(KEY_ENC=KEY_ENCODINGS[fmt.key_encoding], KEY_BITS=key_bits, KEY_CODE_BYTES=key_code_bytes,
+                    VALUE_ENC=VALUE_ENCODINGS[fmt.value_encoding], VALUE_BITS=value_bits,
                     VALUE_CODE_BYTES=packed_size(head_dim, value_bits))  # fmt: skip
     tiles = CacheTiles(kv_cache, block_size, num_kv_heads, (kv_cache.stride(0), kv_cache.stride(1),
                        kv_cache.stride(2)), fmt.key_bytes(head_dim), centroids, encoding)  # fmt: skip
