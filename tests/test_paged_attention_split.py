@@ -16,15 +16,15 @@ if not torch.cuda.is_available():
 
 triton = pytest.importorskip("triton")
 
+from helpers.attention_rows import attention_batch  # noqa: E402
 from helpers.kernels import DEVICE, NUM_PAD_TOKENS, assert_near, gpu, i64, needs_cuda, paged_batch, randn  # noqa: E402
 from truespec.kernels.paged_attention import (  # noqa: E402
     BLOCK_N,
     MAX_SPLITS,
     MIN_SPLIT_KEYS,
     paged_attention,
-    split_layout,
 )
-from truespec.ops.attention import paged_attention_ref  # noqa: E402
+from truespec.ops.attention import paged_attention_ref, split_layout  # noqa: E402
 
 SMALL = dict(block_n=16, max_splits=4, min_split_keys=16)  # rows of 17..64 keys: 2-4 splits of 16 keys
 # (num_cached, query_len): decode, 1+3 verify, prefill chunk on a cached prefix, fresh prefill, empty query,
@@ -39,18 +39,6 @@ def num_splits(num_keys: int, layout: dict[str, int]) -> int:
 def row_keys(reqs: list[tuple[int, int]]) -> list[int]:
     """Number of keys of every real row of a packed batch, in order."""
     return [cached + i + 1 for cached, new in reqs for i in range(new)]
-
-
-def attention_batch(reqs: list[tuple[int, int]], num_heads: int, num_kv_heads: int, head_dim: int,
-                    dtype: torch.dtype, seed: int) -> tuple:  # fmt: skip
-    """paged_attention's arguments for ``reqs`` (block size 4, never-read cache slots NaN, padding rows)."""
-    gen = torch.Generator().manual_seed(seed)
-    num_blocks = sum(triton.cdiv(c + n, 4) for c, n in reqs) + 4
-    batch = paged_batch(reqs, block_size=4, num_blocks=num_blocks, gen=gen)
-    cache = randn(2, num_blocks, 4, num_kv_heads, head_dim, dtype=dtype, gen=gen)
-    cache.view(2, -1, num_kv_heads, head_dim)[:, ~batch["is_live"]] = float("nan")  # never read
-    q = randn(batch["slot_mapping"].shape[0], num_heads, head_dim, dtype=dtype, gen=gen)
-    return q, cache, batch["query_start_loc"], batch["seq_lens"], batch["block_tables"], head_dim**-0.5
 
 
 def test_split_layout_depends_on_num_keys_only_and_covers_every_key() -> None:

@@ -12,6 +12,7 @@ from truespec.kernels.add_rms_norm import add_rms_norm
 from truespec.kernels.causal_conv1d import causal_conv1d
 from truespec.kernels.gdn_gating import gdn_gating
 from truespec.kernels.gdn_recurrent import gdn_recurrent
+from truespec.kernels.kv_store_packed import store_packed
 from truespec.kernels.paged_attention import paged_attention
 from truespec.kernels.paged_attention_packed import paged_attention_packed
 from truespec.kernels.qk_norm_rope import qk_norm_rope
@@ -21,7 +22,7 @@ from truespec.kernels.row_invariant_matmul import row_invariant_matmul
 from truespec.kernels.skinny_matmul import skinny_matmul
 from truespec.kernels.spec_step import greedy_accepted, move_positions
 from truespec.ops.activation import act_mul_ref
-from truespec.ops.attention import paged_attention_ref, reshape_and_cache_ref
+from truespec.ops.attention import paged_attention_ref, reshape_and_cache_ref, store_packed_ref
 from truespec.ops.conv import causal_conv1d_ref
 from truespec.ops.gdn import GateInputs, gdn_gating_ref, gdn_recurrent_ref
 from truespec.ops.linear import linear_ref
@@ -40,6 +41,8 @@ __all__ = [
     "paged_attention_ref",
     "reshape_and_cache",
     "reshape_and_cache_ref",
+    "store_packed",
+    "store_packed_ref",
     "rms_norm",
     "rms_norm_ref",
     "act_mul",

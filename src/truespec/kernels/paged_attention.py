@@ -4,7 +4,10 @@ Programs are (query token, kv head, split): each serves its kv head's GQA group 
 rows for ``tl.dot``) over one contiguous range of the row's keys, with online softmax in fp32 (fp64 for fp64),
 and emits (m, l, acc). A second kernel, one program per (row, query head), merges a row's splits:
 ``m = max m_i; l = sum l_i e^(m_i - m); out = sum acc_i e^(m_i - m) / l``, the sums over the split slots
-0..SPLITS_PAD-1 in one fixed reduction tree (slots past the row's splits add exact zeros).
+0..SPLITS_PAD-1 in one fixed reduction tree (slots past the row's splits add exact zeros). The same two kernels
+serve the model-dtype cache (``paged_attention``) and the packed caches (kernels/paged_attention_packed.py): how
+a K / V tile is loaded or decoded is a compile-time encoding (kernels/kv_tiles.py); the model-dtype loop compiles
+as before the packed formats shared it (the same loads and ``tl.dot`` operand dtypes).
 
 Split layout, the rule that keeps docs/ARCHITECTURE.md invariant 4: a row with ``num_keys`` keys (position + 1) uses
 ``split_size = round_up(max(MIN_SPLIT_KEYS, cdiv(num_keys, MAX_SPLITS)), BLOCK_N)`` keys per split and
@@ -37,16 +40,26 @@ are written and read back). Defaults: BLOCK_N 32, MAX_SPLITS 16, MIN_SPLIT_KEYS 
 only 2 * num_splits SMs: the gain comes from the shorter chain of dependent tiles per program, which is what
 bounds the unsplit kernel.
 
+Sparse-V tile skip (``sparse_v_threshold``; vLLM PR #41422, /work/shared/DESIGN.md): after a tile's
+``p = exp(s - m_new)`` and ``l = l * alpha + sum(p)``, a tile whose largest weight ``p / l`` over every query head
+of the program is ``< threshold`` only rescales ``acc`` by ``alpha``: its V tile is neither loaded nor decoded;
+``m`` and ``l`` are always updated, so the softmax denominator stays exact. The decision depends on the row's
+own keys and the constants only, so a decode row and the same row inside a verify skip the same tiles
+(invariant 4). ``SPARSE_V`` is a compile-time switch: off (``None``) compiles the loop without it; threshold 0
+never skips (the comparison is strict) and gives the bits of off. The torch reference of this order is
+``ops.attention.tiled_attention``.
+
 Not done here (speed only, correctness does not need them):
 - packing several query tokens of one request into a program's rows (K/V reuse for long prefills; it would
   also remove the partial traffic of long prefill rows).
-- FP8 / TurboQuant caches (the dequantise step slots in where K and V tiles are loaded).
+- no GPU timing of the sparse-V skip yet, and no "auto" mode (on from a context length): the caller decides.
 """
 
 import torch
 import triton
 import triton.language as tl
 
+from truespec.kernels.kv_tiles import MODEL, CacheTiles, tile_queries, tile_scores, tile_values
 from truespec.kernels.triton_utils import (
     find_request,
     mma,
@@ -61,17 +74,11 @@ BLOCK_N, MAX_SPLITS, MIN_SPLIT_KEYS, NUM_WARPS = 32, 16, 64, 4  # defaults, tune
 MAX_WORKSPACE_BYTES = 128 << 20
 
 
-def split_layout(num_keys: int, block_n: int, max_splits: int, min_split_keys: int) -> tuple[int, int]:
-    """(split_size, num_splits) of a row with ``num_keys`` keys: the host twin of ``_row_layout``."""
-    split_size = triton.cdiv(max(min_split_keys, triton.cdiv(num_keys, max_splits)), block_n) * block_n
-    return split_size, max(triton.cdiv(num_keys, split_size), 1)
-
-
 @triton.jit
 def _row_layout(query_start_loc_ptr, seq_lens_ptr, num_reqs, token, BLOCK_N: tl.constexpr,
                 MAX_SPLITS: tl.constexpr, MIN_SPLIT_KEYS: tl.constexpr):  # fmt: skip
     """(request, num_keys, split_size, num_splits) of packed row ``token``: 0 keys and one empty split for
-    padding rows. ``split_layout``'s rule, from ``num_keys`` and the constants only."""
+    padding rows. ``ops.attention.split_layout``'s rule, from ``num_keys`` and the constants only."""
     r = find_request(query_start_loc_ptr, num_reqs, token)
     q_start = tl.load(query_start_loc_ptr + r)
     q_end = tl.load(query_start_loc_ptr + r + 1)
@@ -91,8 +98,9 @@ def _paged_attention_kernel(
     ws_m_ptr,  # [chunk, num_heads, ws_splits] running max per split
     ws_l_ptr,  # [chunk, num_heads, ws_splits] sum of exp(score - m) per split
     ws_acc_ptr,  # [chunk, num_heads, ws_splits, HEAD_DIM] unnormalised output per split
-    q_ptr,  # [T, num_heads, head_dim]
-    kv_cache_ptr,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    q_ptr,  # [T, num_heads, head_dim] (rotated, in the accumulator dtype, for LLOYD_MAX keys)
+    kv_cache_ptr,  # [2, num_blocks, block_size, num_kv_heads, head_dim], or uint8 [num_blocks, ..., bytes]
+    centroids_ptr,  # [2^KEY_BITS] Lloyd-Max centroids in the accumulator dtype (LLOYD_MAX keys only)
     query_start_loc_ptr,  # [R + 1]
     seq_lens_ptr,  # [R]
     block_tables_ptr,  # [R, max_blocks]
@@ -100,11 +108,12 @@ def _paged_attention_kernel(
     row_offset,  # first token of this chunk
     ws_splits,  # split slots per (row, head) in the workspace (the grid's third dim)
     scale: tl.float64,
+    sparse_v_threshold: tl.float64,  # read with SPARSE_V only
     stride_q_tok,
     stride_q_head,
     stride_o_tok,
     stride_o_head,
-    stride_cache_kv,
+    value_offset,  # from a slot's key to its value (CacheTiles)
     stride_cache_block,
     stride_cache_slot,
     stride_cache_head,
@@ -119,6 +128,13 @@ def _paged_attention_kernel(
     MIN_SPLIT_KEYS: tl.constexpr,
     ACC_DTYPE: tl.constexpr,
     UPCAST: tl.constexpr,
+    KEY_ENC: tl.constexpr,  # kernels/kv_tiles.py encodings
+    KEY_BITS: tl.constexpr,
+    KEY_CODE_BYTES: tl.constexpr,
+    VALUE_ENC: tl.constexpr,
+    VALUE_BITS: tl.constexpr,
+    VALUE_CODE_BYTES: tl.constexpr,
+    SPARSE_V: tl.constexpr,  # skip the values of tiles whose weights are all < sparse_v_threshold
 ):
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -137,7 +153,9 @@ def _paged_attention_kernel(
     heads = kv_head * GROUP + g
     q_mask = (g[:, None] < GROUP) & (d[None, :] < HEAD_DIM)
     q = tl.load(q_ptr + token * stride_q_tok + heads[:, None] * stride_q_head + d[None, :], mask=q_mask, other=0.0)
+    q = tile_queries(q, KEY_ENC, ACC_DTYPE)  # decoded keys are scored in the accumulator dtype
     scale_acc = tl.full([], scale, ACC_DTYPE)
+    threshold = tl.full([], sparse_v_threshold, ACC_DTYPE)
 
     m = tl.full([GROUP_PAD], float("-inf"), ACC_DTYPE)  # running max of the scaled scores
     l = tl.full([GROUP_PAD], 0, ACC_DTYPE)  # running sum of exp(score - m)
@@ -148,17 +166,27 @@ def _paged_attention_kernel(
         n_mask = n < key_end
         blocks = tl.load(block_tables_ptr + r * stride_bt_req + n // BLOCK_SIZE, mask=n_mask, other=0)
         slot_off = blocks * stride_cache_block + (n % BLOCK_SIZE) * stride_cache_slot  # [BLOCK_N] int64
-        kv_off = slot_off[:, None] + d[None, :]
         kv_mask = n_mask[:, None] & (d[None, :] < HEAD_DIM)
-        k = tl.load(cache_head_ptr + kv_off, mask=kv_mask, other=0.0)  # [BLOCK_N, HEAD_DIM_PAD]
-        s = mma(q, tl.trans(k), UPCAST) * scale_acc  # [GROUP_PAD, BLOCK_N]
+        s = tile_scores(q, cache_head_ptr, slot_off, d, n_mask, kv_mask, centroids_ptr, KEY_ENC, KEY_BITS,
+                        KEY_CODE_BYTES, UPCAST)  # fmt: skip
+        s = s * scale_acc  # [GROUP_PAD, BLOCK_N]
         s = tl.where(n_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m, reduce_max(s, 1))  # finite: every tile holds a key of this split
         alpha = tl.exp(m - m_new)
         p = tl.exp(s - m_new[:, None])
         l = l * alpha + reduce_sum(p, 1)
-        v = tl.load(cache_head_ptr + stride_cache_kv + kv_off, mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, UPCAST)
+        value_ptr = cache_head_ptr + value_offset
+        if SPARSE_V:
+            # the tile's largest weight p / l over the program's query heads (the GQA padding rows excluded)
+            weight = reduce_max(tl.where(g < GROUP, reduce_max(p, 1) / l, 0.0), 0)
+            if weight < threshold:  # strict: threshold 0 never skips
+                acc = acc * alpha[:, None]
+            else:
+                acc = _add_values(acc, alpha, p, value_ptr, slot_off, d, n_mask, kv_mask, VALUE_ENC, VALUE_BITS,
+                                  VALUE_CODE_BYTES, ACC_DTYPE, UPCAST)  # fmt: skip
+        else:
+            acc = _add_values(acc, alpha, p, value_ptr, slot_off, d, n_mask, kv_mask, VALUE_ENC, VALUE_BITS,
+                              VALUE_CODE_BYTES, ACC_DTYPE, UPCAST)  # fmt: skip
         m = m_new
 
     if num_splits == 1:  # the unsplit loop: normalise and write the output here
@@ -170,6 +198,15 @@ def _paged_attention_kernel(
         tl.store(ws_m_ptr + ws_row, m, mask=g < GROUP)
         tl.store(ws_l_ptr + ws_row, l, mask=g < GROUP)
         tl.store(ws_acc_ptr + ws_row[:, None] * HEAD_DIM + d[None, :], acc, mask=q_mask)
+
+
+@triton.jit
+def _add_values(acc, alpha, p, value_ptr, slot_off, d, n_mask, kv_mask, VALUE_ENC: tl.constexpr,
+                VALUE_BITS: tl.constexpr, VALUE_CODE_BYTES: tl.constexpr, ACC_DTYPE: tl.constexpr,
+                UPCAST: tl.constexpr):  # fmt: skip
+    """acc [GROUP_PAD, HEAD_DIM_PAD] rescaled by alpha plus p @ V of the tile (p cast to V's dtype)."""
+    v = tile_values(value_ptr, slot_off, d, n_mask, kv_mask, VALUE_ENC, VALUE_BITS, VALUE_CODE_BYTES, ACC_DTYPE)
+    return acc * alpha[:, None] + mma(p.to(v.dtype), v, UPCAST)
 
 
 @triton.jit(do_not_specialize=["num_reqs", "row_offset", "ws_splits"])
@@ -233,6 +270,7 @@ def paged_attention(
     min_split_keys: int = MIN_SPLIT_KEYS,
     num_warps: int = NUM_WARPS,
     max_workspace_bytes: int = MAX_WORKSPACE_BYTES,
+    sparse_v_threshold: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of q [T, num_heads, head_dim] over the paged ``kv_cache``
     [2, num_blocks, block_size, num_kv_heads, head_dim]; query token i of request r sits at position
@@ -241,30 +279,61 @@ def paged_attention(
     ``block_n``, ``max_splits``, ``min_split_keys`` and ``num_warps`` fix each row's arithmetic: keep them the
     same for every call of a model (invariant 4); ``max_splits=1`` is the unsplit kernel. The workspace (and
     so the number of row chunks) follows ``max_workspace_bytes``, which never changes a row's result.
-    Returns ``out`` [T, num_heads, head_dim] (allocated if None)."""
-    num_tokens, num_heads, head_dim = q.shape
+    ``sparse_v_threshold``: None runs without the sparse-V tile skip; a float in [0, 1] skips the values of a tile
+    whose weights p / l are all below it (0 skips nothing and gives the same bits as None; see the module
+    docstring). Returns ``out`` [T, num_heads, head_dim] (allocated if None)."""
     _, _, block_size, num_kv_heads, cache_head_dim = kv_cache.shape
-    if cache_head_dim != head_dim or num_heads % num_kv_heads != 0 or q.stride(-1) != 1:
+    if cache_head_dim != q.shape[-1] or q.shape[1] % num_kv_heads != 0 or q.stride(-1) != 1:
         raise ValueError(f"q {tuple(q.shape)} (unit last stride) does not fit kv_cache {tuple(kv_cache.shape)}")
     if kv_cache.stride(-1) != 1 or q.dtype != kv_cache.dtype:
         raise ValueError("kv_cache needs a unit last stride and q's dtype")
+    tiles = CacheTiles(kv_cache, block_size, num_kv_heads, (kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3)),
+                       kv_cache.stride(0), kv_cache, dict(KEY_ENC=MODEL, KEY_BITS=0, KEY_CODE_BYTES=0, VALUE_ENC=MODEL,
+                                                          VALUE_BITS=0, VALUE_CODE_BYTES=0))  # fmt: skip
+    out = torch.empty_like(q) if out is None else out
+    return split_attention(q, tiles, query_start_loc, seq_lens, block_tables, scale, out, block_n, max_splits,
+                           min_split_keys, num_warps, max_workspace_bytes, sparse_v_threshold)  # fmt: skip
+
+
+def split_attention(
+    q: torch.Tensor,
+    tiles: CacheTiles,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,
+    block_n: int,
+    max_splits: int,
+    min_split_keys: int,
+    num_warps: int,
+    max_workspace_bytes: int,
+    sparse_v_threshold: float | None,
+) -> torch.Tensor:
+    """Both kernels over any cache (``paged_attention`` and ``paged_attention_packed`` check their cache and build
+    ``tiles``): q [T, num_heads, head_dim] as the kernel reads it, ``out`` in the model dtype (the accumulator
+    dtype follows it). Returns ``out``."""
+    num_tokens, num_heads, head_dim = q.shape
     if block_n < 16 or block_n & (block_n - 1) or max_splits < 1 or min_split_keys < 1:
         raise ValueError(f"block_n {block_n} must be a power of two >= 16; max_splits, min_split_keys >= 1")
     if not 0 < max_workspace_bytes < 2**31:
         raise ValueError(f"max_workspace_bytes {max_workspace_bytes} must be in (0, 2**31): int32 offsets")
-    out = torch.empty_like(q) if out is None else out
+    if sparse_v_threshold is not None and not 0.0 <= sparse_v_threshold <= 1.0:
+        raise ValueError(f"sparse_v_threshold must be None or in [0, 1], got {sparse_v_threshold}")
+    if out.shape != q.shape:
+        raise ValueError(f"out {tuple(out.shape)} does not fit q {tuple(q.shape)}")
     if seq_lens.shape[0] == 0:
         return out.zero_()
     if num_tokens == 0:
         return out
-    group = num_heads // num_kv_heads
+    group = num_heads // tiles.num_kv_heads
     constants = dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=pad_pow2(head_dim), BLOCK_N=block_n, MAX_SPLITS=max_splits,
                      MIN_SPLIT_KEYS=min_split_keys)  # fmt: skip
     # A row holds at most width * block_size keys (its table's cells) and a split at least
     # round_up(min_split_keys, block_n) of them: fewer split programs when the table is narrow, from shapes only.
-    grid_splits = min(max_splits, max(1, triton.cdiv(block_tables.shape[1] * block_size,
+    grid_splits = min(max_splits, max(1, triton.cdiv(block_tables.shape[1] * tiles.block_size,
                                                      triton.cdiv(min_split_keys, block_n) * block_n)))  # fmt: skip
-    acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    acc_dtype = torch.float64 if out.dtype == torch.float64 else torch.float32
     bytes_per_row = num_heads * grid_splits * (head_dim + 2) * acc_dtype.itemsize
     chunk = num_tokens if grid_splits == 1 else min(num_tokens, max(1, max_workspace_bytes // bytes_per_row))
     ws_rows = 1 if grid_splits == 1 else chunk  # one split: the first kernel writes out itself
@@ -272,14 +341,16 @@ def paged_attention(
     ws_l = torch.empty_like(ws_m)
     ws_acc = torch.empty(ws_rows, num_heads, grid_splits, head_dim, dtype=acc_dtype, device=q.device)
     num_reqs = seq_lens.shape[0]
+    threshold = 0.0 if sparse_v_threshold is None else sparse_v_threshold
     for row_offset in range(0, num_tokens, chunk):  # by the static T only: graph-safe
         rows = min(chunk, num_tokens - row_offset)
-        _paged_attention_kernel[(rows, num_kv_heads, grid_splits)](
-            out, ws_m, ws_l, ws_acc, q, kv_cache, query_start_loc, seq_lens, block_tables, num_reqs, row_offset,
-            grid_splits, scale, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-            kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), block_tables.stride(0),
-            GROUP=group, GROUP_PAD=pad_pow2(group), BLOCK_SIZE=block_size, ACC_DTYPE=tl_compute_dtype(q.dtype),
-            UPCAST=needs_dot_upcast(q.dtype), num_warps=num_warps, **constants,
+        _paged_attention_kernel[(rows, tiles.num_kv_heads, grid_splits)](
+            out, ws_m, ws_l, ws_acc, q, tiles.cache, tiles.centroids, query_start_loc, seq_lens, block_tables,
+            num_reqs, row_offset, grid_splits, scale, threshold, q.stride(0), q.stride(1), out.stride(0),
+            out.stride(1), tiles.value_offset, *tiles.strides, block_tables.stride(0),
+            GROUP=group, GROUP_PAD=pad_pow2(group), BLOCK_SIZE=tiles.block_size, ACC_DTYPE=tl_compute_dtype(out.dtype),
+            UPCAST=needs_dot_upcast(q.dtype), SPARSE_V=sparse_v_threshold is not None, num_warps=num_warps,
+            **tiles.encoding, **constants,
         )  # fmt: skip
         if grid_splits > 1:
             _combine_splits_kernel[(rows, num_heads)](
@@ -288,4 +359,3 @@ def paged_attention(
                 **constants,
             )  # fmt: skip
     return out
-

@@ -1,54 +1,60 @@
 """Paged causal attention read straight from a packed (compressed) KV cache: ``fp8`` and the TurboQuant presets.
 
 The cache is uint8 [num_blocks, block_size, num_kv_heads, bytes_per_token]; one slot (token, KV head) holds its
-key part then its value part, laid out as kv_cache/formats.py describes. The kernel decodes each K / V tile in
-registers where the model-dtype kernel (kernels/paged_attention.py) loads it, and never writes decoded K/V back:
+key part then its value part, laid out as kv_cache/formats.py describes. This wrapper checks the cache, rotates q
+once for Lloyd-Max keys (q @ H in fp32, fp64 for fp64 q) and runs the model-dtype kernel of
+kernels/paged_attention.py with the format's tile encodings (kernels/kv_tiles.py): the same split-KV loop, online
+softmax, merge kernel, workspace chunking and sparse-V tile skip, with each K / V tile decoded in registers where
+the model-dtype kernel loads it (never written back):
 
 - ``fp8`` keys / values: D bytes, bitcast to ``tl.float8e4nv`` and widened (scale 1.0, as the reference).
-- Lloyd-Max keys (``turboquant_*_nc``): the wrapper rotates q once (q @ H in fp32, fp64 for fp64 q); the kernel
-  unpacks each coordinate's code from the little-endian bit stream (two byte loads and a shift, so 3-bit codes
-  straddling a byte boundary come out right), looks its centroid up in a small table tensor, and scores
-  ``<q_rot, c> * norm / ||c||`` (norm correction). Keys are never rotated back.
+- Lloyd-Max keys (``turboquant_*_nc``): codes unpacked from the little-endian bit stream, centroids looked up in
+  a small table, scores ``<q_rot, c> * norm / ||c||`` (norm correction); keys are never rotated back.
 - Uniform values: codes unpacked the same way, ``v = code * scale + zero`` (fp16 scale / zero, little-endian).
 
-Layout: one program per (query row, kv head), serving the kv head's GQA group of query heads (padded to 16 rows
-for ``tl.dot``), looping over the row's keys in BLOCK_N tiles from key 0 with online softmax in fp32 (fp64 for
-fp64 q), output cast to q's dtype. The tiles a row walks are a function of its number of keys (position + 1) and
-the compile-time constants only, so a row gives bitwise the same output as a decode, inside a 1+k verify, a
-prefill chunk or any mixed batch (docs/ARCHITECTURE.md invariant 4). Padding rows (token >=
-query_start_loc[num_reqs]) have 0 keys and write zeros. No host reads; the grid comes from tensor shapes only;
-the rotation matrix and centroid table are cached per (head_dim, bits, dtype, device), so a first eager call
-before capture makes the wrapper CUDA-graph capturable.
+Scores, softmax and P @ V run in fp32 (fp64 for fp64 q), the output is cast to q's dtype. A row's split layout and
+tiles are functions of its number of keys and the compile-time constants only (``_row_layout``), so a row gives
+bitwise the same output as a decode, inside a 1+k verify, a prefill chunk or any mixed batch (docs/ARCHITECTURE.md
+invariant 4). Padding rows write zeros. No host reads; grids and the workspace come from tensor shapes only; the
+rotation matrix and centroid table are cached per (head_dim, bits, dtype, device), so a first eager call before
+capture makes the wrapper CUDA-graph capturable. The cache is written by kernels/kv_store_packed.py (``store_packed``).
+
+fp64 q runs under Triton's interpreter only: compiled, Triton 3.6 cannot lower an fp64 ``tl.dot`` whose operand
+is decoded in registers ("fp64 don't support largeK MMA"), so the wrapper refuses fp64 on CUDA.
 
 Not done yet (speed only; correctness does not need them):
-- split-KV (flash-decoding) as in kernels/paged_attention.py: long decodes run one chain of tiles per program.
-- a fused store kernel (the cache is written by ``KVFormat.encode`` + ``store_packed_ref`` today).
 - per-layer calibrated fp8 k_scale / v_scale (the formats use 1.0, as the reference).
-- no GPU timing or tuning yet (BLOCK_N / num_warps defaults are untuned guesses).
+- no GPU tuning for packed caches: BLOCK_N / MAX_SPLITS / MIN_SPLIT_KEYS / num_warps are the model-dtype
+  kernel's defaults.
 """
 
 from functools import cache
 from typing import Protocol
 
 import torch
-import triton
-import triton.language as tl
 
-from truespec.kernels.paged_attention import MAX_SPLITS, MIN_SPLIT_KEYS, _row_layout
-from truespec.kernels.triton_utils import mma, pad_pow2, reduce_max, reduce_sum, tl_compute_dtype
+from truespec.kernels import kv_tiles
+from truespec.kernels.paged_attention import (
+    BLOCK_N,
+    MAX_SPLITS,
+    MAX_WORKSPACE_BYTES,
+    MIN_SPLIT_KEYS,
+    NUM_WARPS,
+    CacheTiles,
+    split_attention,
+)
 from truespec.ops.kv_quant import hadamard, packed_size
 from truespec.ops.lloyd_max import lloyd_max_codebook
 from truespec.ops.precision import compute_dtype
 
-BLOCK_N, NUM_WARPS = 32, 4  # untuned defaults
 # kv_cache/formats.py's encoding names (kernels sit below kv_cache in the import order: tests/test_import_graph.py)
 FP8, LLOYD_MAX, UNIFORM = "fp8", "lloyd_max", "uniform"
-_KEY_ENCODINGS = {FP8: 0, LLOYD_MAX: 1}
-_VALUE_ENCODINGS = {FP8: 0, UNIFORM: 1}
+KEY_ENCODINGS = {FP8: kv_tiles.FP8, LLOYD_MAX: kv_tiles.LLOYD_MAX}
+VALUE_ENCODINGS = {FP8: kv_tiles.FP8, UNIFORM: kv_tiles.UNIFORM}
 
 
 class KVFormat(Protocol):
-    """What the kernel reads of a ``kv_cache.formats.KVFormat`` (structural: kernels may not import kv_cache)."""
+    """What the kernels read of a ``kv_cache.formats.KVFormat`` (structural: kernels may not import kv_cache)."""
 
     name: str
     key_encoding: str
@@ -67,128 +73,6 @@ class KVFormat(Protocol):
     def check_head_dim(self, head_dim: int) -> None: ...
 
 
-@triton.jit
-def _unpack_codes(base_ptr, idx, mask, BITS: tl.constexpr, NUM_BYTES: tl.constexpr):
-    """Codes ``idx`` (any int tensor) of a packed little-endian bit stream at ``base_ptr`` (NUM_BYTES bytes),
-    as int32: code j is bits [j * BITS, (j + 1) * BITS); it may straddle two bytes."""
-    bit = idx * BITS
-    byte = bit // 8
-    lo = tl.load(base_ptr + byte, mask=mask, other=0).to(tl.int32)
-    hi = tl.load(base_ptr + byte + 1, mask=mask & (byte + 1 < NUM_BYTES), other=0).to(tl.int32)
-    return ((lo | (hi << 8)) >> (bit % 8)) & ((1 << BITS) - 1)
-
-
-@triton.jit
-def _load_fp16(ptr, mask):
-    """A little-endian fp16 at byte address ``ptr`` (any alignment), widened to fp32."""
-    lo = tl.load(ptr, mask=mask, other=0).to(tl.uint16)
-    hi = tl.load(ptr + 1, mask=mask, other=0).to(tl.uint16)
-    return (lo | (hi << 8)).to(tl.float16, bitcast=True).to(tl.float32)
-
-
-@triton.jit
-def _load_fp8(ptr, mask):
-    """float8_e4m3fn bytes at ``ptr``, widened exactly to fp32 (masked lanes read 0)."""
-    return tl.load(ptr, mask=mask, other=0).to(tl.float8e4nv, bitcast=True).to(tl.float32)
-
-
-# One binary for every batch and (eager) block-table width: integer arguments that vary are not specialised.
-@triton.jit(do_not_specialize=["num_reqs", "stride_bt_req"])
-def _paged_attention_packed_kernel(
-    out_ptr,  # [T, num_heads, head_dim], q's dtype
-    q_ptr,  # [T, num_heads, head_dim]: q (rotated, in the accumulator dtype, for Lloyd-Max keys)
-    kv_cache_ptr,  # uint8 [num_blocks, block_size, num_kv_heads, bytes_per_token]
-    centroids_ptr,  # [2^KEY_BITS] Lloyd-Max centroids in the accumulator dtype (unused for fp8 keys)
-    query_start_loc_ptr,  # [R + 1]
-    seq_lens_ptr,  # [R]
-    block_tables_ptr,  # [R, max_blocks]
-    num_reqs,
-    scale: tl.float64,
-    stride_q_tok,
-    stride_q_head,
-    stride_o_tok,
-    stride_o_head,
-    stride_cache_block,
-    stride_cache_slot,
-    stride_cache_head,
-    stride_bt_req,
-    HEAD_DIM: tl.constexpr,
-    HEAD_DIM_PAD: tl.constexpr,
-    GROUP: tl.constexpr,  # query heads per kv head
-    GROUP_PAD: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,  # KV cache block size (tokens per block)
-    BLOCK_N: tl.constexpr,  # keys per tile
-    KEY_ENC: tl.constexpr,  # 0: fp8, 1: Lloyd-Max codes + fp16 norm (norm corrected)
-    KEY_BITS: tl.constexpr,
-    KEY_BYTES: tl.constexpr,  # bytes of the key part (codes + norm for Lloyd-Max)
-    KEY_CODE_BYTES: tl.constexpr,
-    VALUE_ENC: tl.constexpr,  # 0: fp8, 1: uniform codes + fp16 scale + fp16 zero
-    VALUE_BITS: tl.constexpr,
-    VALUE_CODE_BYTES: tl.constexpr,
-    ACC_DTYPE: tl.constexpr,
-):
-    token = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    # the row's request and its keys 0..position (0 for padding rows), as the model-dtype kernel reads them
-    r, num_keys, _, _ = _row_layout(query_start_loc_ptr, seq_lens_ptr, num_reqs, token, BLOCK_N, MAX_SPLITS,
-                                    MIN_SPLIT_KEYS)
-
-    g = tl.arange(0, GROUP_PAD)
-    d = tl.arange(0, HEAD_DIM_PAD)
-    d_mask = d < HEAD_DIM
-    heads = kv_head * GROUP + g
-    q_mask = (g[:, None] < GROUP) & d_mask[None, :]
-    q = tl.load(q_ptr + token * stride_q_tok + heads[:, None] * stride_q_head + d[None, :], mask=q_mask, other=0.0)
-    q = q.to(ACC_DTYPE)
-    scale_acc = tl.full([], scale, ACC_DTYPE)
-
-    m = tl.full([GROUP_PAD], float("-inf"), ACC_DTYPE)  # running max of the scaled scores
-    l = tl.full([GROUP_PAD], 0, ACC_DTYPE)  # running sum of exp(score - m)
-    acc = tl.full([GROUP_PAD, HEAD_DIM_PAD], 0, ACC_DTYPE)
-    cache_head_ptr = kv_cache_ptr + kv_head * stride_cache_head
-    for tile_start in range(0, num_keys, BLOCK_N):
-        n = tile_start + tl.arange(0, BLOCK_N)
-        n_mask = n < num_keys
-        blocks = tl.load(block_tables_ptr + r * stride_bt_req + n // BLOCK_SIZE, mask=n_mask, other=0)
-        slot_ptr = cache_head_ptr + blocks * stride_cache_block + (n % BLOCK_SIZE) * stride_cache_slot  # [BLOCK_N]
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-
-        # ---- keys -> scores [GROUP_PAD, BLOCK_N]
-        if KEY_ENC == 0:
-            k = _load_fp8(slot_ptr[:, None] + d[None, :], kv_mask).to(ACC_DTYPE)
-            s = mma(q, tl.trans(k), False)
-        else:
-            codes = _unpack_codes(slot_ptr[:, None], d[None, :], kv_mask, KEY_BITS, KEY_CODE_BYTES)
-            c = tl.load(centroids_ptr + codes, mask=kv_mask, other=0.0)  # [BLOCK_N, HEAD_DIM_PAD]
-            c_norm = tl.sqrt(reduce_sum(c * c, 1))
-            norm = _load_fp16(slot_ptr + KEY_CODE_BYTES, n_mask).to(ACC_DTYPE)
-            weight = norm / tl.where(c_norm > 0, c_norm, 1.0)  # ||k|| / ||c||; masked keys: 0
-            s = mma(q, tl.trans(c), False) * weight[None, :]
-        s = s * scale_acc
-        s = tl.where(n_mask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, reduce_max(s, 1))  # finite: every tile holds a key
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(s - m_new[:, None])
-        l = l * alpha + reduce_sum(p, 1)
-
-        # ---- values [BLOCK_N, HEAD_DIM_PAD]
-        value_ptr = slot_ptr + KEY_BYTES
-        if VALUE_ENC == 0:
-            v = _load_fp8(value_ptr[:, None] + d[None, :], kv_mask).to(ACC_DTYPE)
-        else:
-            vcodes = _unpack_codes(value_ptr[:, None], d[None, :], kv_mask, VALUE_BITS, VALUE_CODE_BYTES)
-            v_scale = _load_fp16(value_ptr + VALUE_CODE_BYTES, n_mask).to(ACC_DTYPE)
-            v_zero = _load_fp16(value_ptr + VALUE_CODE_BYTES + 2, n_mask).to(ACC_DTYPE)
-            v = vcodes.to(ACC_DTYPE) * v_scale[:, None] + v_zero[:, None]
-            v = tl.where(kv_mask, v, 0.0)
-        acc = acc * alpha[:, None] + mma(p, v, False)
-        m = m_new
-
-    out = acc / tl.where(l > 0, l, 1.0)[:, None]  # padding rows: acc = 0, l = 0 -> 0
-    o_ptrs = out_ptr + token * stride_o_tok + heads[:, None] * stride_o_head + d[None, :]
-    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=q_mask)
-
-
 @cache
 def _centroid_table(head_dim: int, bits: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Lloyd-Max centroids [2^bits] on ``device`` (cached: no host-to-device copy once warmed up)."""
@@ -198,6 +82,20 @@ def _centroid_table(head_dim: int, bits: int, dtype: torch.dtype, device: torch.
 @cache
 def _dummy_table(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return torch.zeros(1, dtype=dtype, device=device)
+
+
+def check_packed_cache(kv_cache: torch.Tensor, fmt: KVFormat, head_dim: int) -> None:
+    """Raise a ValueError unless ``kv_cache`` is a uint8 [num_blocks, block_size, num_kv_heads, bytes] cache of
+    ``fmt`` (a packed format) at ``head_dim``, each slot's bytes contiguous."""
+    if fmt.key_encoding not in KEY_ENCODINGS or fmt.value_encoding not in VALUE_ENCODINGS:
+        raise ValueError(f"kv_cache_dtype {fmt.name!r} is not a packed format (use paged_attention)")
+    fmt.check_head_dim(head_dim)
+    if (kv_cache.dtype != torch.uint8 or kv_cache.dim() != 4 or kv_cache.shape[-1] != fmt.bytes_per_token(head_dim)
+            or kv_cache.stride(-1) != 1):  # fmt: skip
+        raise ValueError(
+            f"kv_cache {tuple(kv_cache.shape)} {kv_cache.dtype} is not a contiguous-slot uint8 cache "
+            f"of {fmt.name!r} at head_dim {head_dim}"
+        )
 
 
 def paged_attention_packed(
@@ -211,32 +109,28 @@ def paged_attention_packed(
     head_dim: int,
     out: torch.Tensor | None = None,
     block_n: int = BLOCK_N,
+    max_splits: int = MAX_SPLITS,
+    min_split_keys: int = MIN_SPLIT_KEYS,
     num_warps: int = NUM_WARPS,
+    max_workspace_bytes: int = MAX_WORKSPACE_BYTES,
+    sparse_v_threshold: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of q [T, num_heads, head_dim] over the packed paged ``kv_cache`` uint8
     [num_blocks, block_size, num_kv_heads, fmt.bytes_per_token(head_dim)]; query token i of request r sits at
     position ``seq_lens[r] - query_len + i``. Rows past ``query_start_loc[-1]`` (padding) come back as zeros.
-    No host sync and no shape derived from the batch content. ``block_n`` and ``num_warps`` fix each row's
-    arithmetic: keep them the same for every call of a model (invariant 4). Returns ``out`` (allocated if None)."""
-    num_tokens, num_heads, q_head_dim = q.shape
-    if fmt.key_encoding not in _KEY_ENCODINGS or fmt.value_encoding not in _VALUE_ENCODINGS:
-        raise ValueError(f"kv_cache_dtype {fmt.name!r} is not a packed format (use paged_attention)")
-    fmt.check_head_dim(head_dim)
-    _, block_size, num_kv_heads, slot_bytes = kv_cache.shape
-    if kv_cache.dtype != torch.uint8 or slot_bytes != fmt.bytes_per_token(head_dim) or kv_cache.stride(-1) != 1:
-        raise ValueError(
-            f"kv_cache {tuple(kv_cache.shape)} {kv_cache.dtype} is not a contiguous-slot uint8 cache "
-            f"of {fmt.name!r} at head_dim {head_dim}"
-        )
-    if q_head_dim != head_dim or num_heads % num_kv_heads != 0 or q.stride(-1) != 1:
+    No host sync and no shape derived from the batch content. The split layout, workspace and sparse-V arguments
+    are ``paged_attention``'s: ``block_n``, ``max_splits``, ``min_split_keys``, ``num_warps`` fix each row's
+    arithmetic (keep them the same for every call of a model: invariant 4); ``sparse_v_threshold`` None is off,
+    0 gives the same bits as off. Returns ``out`` (allocated if None) in q's dtype."""
+    check_packed_cache(kv_cache, fmt, head_dim)
+    _, block_size, num_kv_heads, _ = kv_cache.shape
+    num_heads = q.shape[1]
+    if q.shape[-1] != head_dim or num_heads % num_kv_heads != 0 or q.stride(-1) != 1:
         raise ValueError(f"q {tuple(q.shape)} (unit last stride) does not fit kv_cache {tuple(kv_cache.shape)}")
-    if block_n < 16 or block_n & (block_n - 1):
-        raise ValueError(f"block_n {block_n} must be a power of two >= 16")
+    if q.dtype == torch.float64 and q.is_cuda:
+        raise ValueError("packed attention in fp64 does not compile on CUDA (Triton 3.6 has no fp64 MMA on "
+                         "register-decoded operands): fp64 models read packed caches through the torch reference")
     out = torch.empty_like(q) if out is None else out
-    if seq_lens.shape[0] == 0:
-        return out.zero_()
-    if num_tokens == 0:
-        return out
     acc_dtype = compute_dtype(q.dtype)
     if fmt.is_rotated:
         assert fmt.key_bits is not None and fmt.norm_correction, "Lloyd-Max keys are read with norm correction"
@@ -247,16 +141,10 @@ def paged_attention_packed(
         q_in, centroids, key_bits, key_code_bytes = q, _dummy_table(acc_dtype, q.device), 8, head_dim
     value_bits = fmt.value_bits if fmt.value_encoding == UNIFORM else 8
     assert value_bits is not None
-    group = num_heads // num_kv_heads
-    _paged_attention_packed_kernel[(num_tokens, num_kv_heads)](
-        out, q_in, kv_cache, centroids, query_start_loc, seq_lens, block_tables, seq_lens.shape[0], scale,
-        q_in.stride(0), q_in.stride(1), out.stride(0), out.stride(1),
-        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), block_tables.stride(0),
-        HEAD_DIM=head_dim, HEAD_DIM_PAD=pad_pow2(head_dim), GROUP=group, GROUP_PAD=pad_pow2(group),
-        BLOCK_SIZE=block_size, BLOCK_N=block_n,
-        KEY_ENC=_KEY_ENCODINGS[fmt.key_encoding], KEY_BITS=key_bits, KEY_BYTES=fmt.key_bytes(head_dim),
-        KEY_CODE_BYTES=key_code_bytes, VALUE_ENC=_VALUE_ENCODINGS[fmt.value_encoding], VALUE_BITS=value_bits,
-        VALUE_CODE_BYTES=packed_size(head_dim, value_bits), ACC_DTYPE=tl_compute_dtype(q.dtype),
-        num_warps=num_warps,
-    )  # fmt: skip
-    return out
+    encoding = dict(KEY_ENC=KEY_ENCODINGS[fmt.key_encoding], KEY_BITS=key_bits, KEY_CODE_BYTES=key_code_bytes,
+                    VALUE_ENC=VALUE_ENCODINGS[fmt.value_encoding], VALUE_BITS=value_bits,
+                    VALUE_CODE_BYTES=packed_size(head_dim, value_bits))  # fmt: skip
+    tiles = CacheTiles(kv_cache, block_size, num_kv_heads, (kv_cache.stride(0), kv_cache.stride(1),
+                       kv_cache.stride(2)), fmt.key_bytes(head_dim), centroids, encoding)  # fmt: skip
+    return split_attention(q_in, tiles, query_start_loc, seq_lens, block_tables, scale, out, block_n, max_splits,
+                           min_split_keys, num_warps, max_workspace_bytes, sparse_v_threshold)  # fmt: skip

@@ -3,15 +3,15 @@
 Kernels here call only Triton *builtins* (no ``tl.sum`` / ``tl.max`` / ``tl.zeros``, which are themselves
 ``@triton.jit`` functions): those library functions are compiled-mode objects whenever triton was imported
 before ``TRITON_INTERPRET=1`` was set (transformers imports triton), and then fail in the interpreter.
-``reduce_sum`` / ``reduce_max`` build the same ``tl.reduce`` as ``tl.sum`` / ``tl.max`` do for floats, with
-the same combine functions, which the interpreter recognises and runs as one numpy reduction (an unknown
-combine function falls back to a per-element Python loop, about 4x slower).
+``reduce_sum`` / ``reduce_max`` / ``reduce_min`` build the same ``tl.reduce`` as ``tl.sum`` / ``tl.max`` /
+``tl.min`` do for floats, with the same combine functions, which the interpreter recognises and runs as one numpy
+reduction (an unknown combine function falls back to a per-element Python loop, about 4x slower).
 """
 
 import torch
 import triton
 import triton.language as tl
-from triton.language.standard import _elementwise_max, _sum_combine
+from triton.language.standard import _elementwise_max, _elementwise_min, _sum_combine
 
 from truespec.ops.precision import compute_dtype
 
@@ -48,6 +48,11 @@ def reduce_sum(x, axis: tl.constexpr):
 @triton.jit
 def reduce_max(x, axis: tl.constexpr):
     return tl.reduce(x, axis, _elementwise_max)
+
+
+@triton.jit
+def reduce_min(x, axis: tl.constexpr):
+    return tl.reduce(x, axis, _elementwise_min)
 
 
 @triton.jit

@@ -1,0 +1,94 @@
+"""Decode / verify attention per call on the Qwen3.5-0.8B attention shape (8 q / 2 kv heads of 256, block size 16):
+the model-dtype kernel (bf16 cache) against every packed ``kv_cache_dtype``, each with the sparse-V skip off, at
+threshold 0 and at 1e-3, and optionally against an earlier ``paged_attention.py`` (``--old``: its output must be
+bitwise the current one's with the skip off).
+
+Times are ``triton.testing.do_bench_cudagraph`` (replays of a captured graph, as in the engine), us per call.
+Random queries and keys give flat attention, where the sparse-V rule skips nothing: those columns measure the
+switch's cost; ``--peak`` aligns queries with the early keys (tests/helpers/attention_rows.py ``peak_attention``)
+so that tiles are skipped.
+
+    python3 benchmarks/packed_attention_speed.py [--keys 512 2048 8192] [--query-len 1 4] [--old path.py] [--peak 64]
+"""
+
+import argparse
+import importlib.util
+from collections.abc import Callable
+
+import torch
+import triton
+
+from truespec.kernels.paged_attention import paged_attention
+from truespec.kernels.paged_attention_packed import paged_attention_packed
+from truespec.kv_cache.formats import FORMATS
+
+HQ, HKV, D, BLOCK = 8, 2, 256, 16
+PACKED = ["fp8", "turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc"]
+
+
+def batch(num_keys: int, query_len: int, peak: float, gen: torch.Generator) -> tuple[torch.Tensor, ...]:
+    """(q, k, v, query_start_loc, seq_lens, block_tables) of one request whose last ``query_len`` rows attend."""
+    num_blocks = triton.cdiv(num_keys, BLOCK)
+    k = torch.randn(num_blocks * BLOCK, HKV, D, generator=gen)
+    v = torch.randn(num_blocks * BLOCK, HKV, D, generator=gen)
+    q = torch.randn(query_len, HQ, D, generator=gen)
+    if peak:
+        u = torch.nn.functional.normalize(torch.randn(HKV, D, generator=gen), dim=-1)
+        q += peak * u.repeat_interleave(HQ // HKV, dim=0)
+        ramp = 1.0 - torch.arange(num_blocks * BLOCK) / num_keys
+        k += peak * ramp[:, None, None] * u
+    tables = torch.randperm(num_blocks, generator=gen)[None]
+    meta = torch.tensor([0, query_len]), torch.tensor([num_keys]), tables
+    return (q, k, v, *meta)
+
+
+def kernels(num_keys: int, query_len: int, peak: float, old: object | None, gen: torch.Generator
+            ) -> dict[str, Callable[[float | None], torch.Tensor]]:  # fmt: skip
+    """Each cache's attention call of one batch, by name, as a function of the sparse-V threshold."""
+    q, k, v, qsl, seq_lens, tables = (x.to("cuda") for x in batch(num_keys, query_len, peak, gen))
+    q, meta, scale = q.to(torch.bfloat16), (qsl, seq_lens, tables), D**-0.5
+    model_cache = torch.stack([k, v]).view(2, -1, BLOCK, HKV, D).to(torch.bfloat16)
+    runs = {"bf16 (model dtype)": lambda t: paged_attention(q, model_cache, *meta, scale, sparse_v_threshold=t)}
+    if old is not None:
+        runs["bf16 (--old)"] = lambda t: old.paged_attention(q, model_cache, *meta, scale)
+    for name in PACKED:
+        fmt = FORMATS[name]
+        cache = fmt.encode(k, v).view(-1, BLOCK, HKV, fmt.bytes_per_token(D))
+        runs[name] = lambda t, c=cache, f=fmt: paged_attention_packed(q, c, *meta, scale, f, D, sparse_v_threshold=t)
+    return runs
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--keys", type=int, nargs="+", default=[512, 2048, 8192])
+    parser.add_argument("--query-len", type=int, nargs="+", default=[1, 4])
+    parser.add_argument("--old", help="an earlier kernels/paged_attention.py to compare with (bitwise and speed)")
+    parser.add_argument("--peak", type=float, default=0.0)
+    args = parser.parse_args()
+    old = None
+    if args.old:
+        spec = importlib.util.spec_from_file_location("old_paged_attention", args.old)
+        old = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(old)
+    gen = torch.Generator().manual_seed(0)
+    print(f"{torch.cuda.get_device_name()}  bf16 q, {HQ} q / {HKV} kv heads of {D}, us per call (graph replay)")
+    print(f"{'cache':22s} {'keys':>5s} {'q':>2s} {'off':>8s} {'thr 0':>8s} {'thr 1e-3':>8s}  {'skip changes out':>16s}")
+    for num_keys in args.keys:
+        for query_len in args.query_len:
+            runs = kernels(num_keys, query_len, args.peak, old, gen)
+            reference = runs["bf16 (model dtype)"](None)
+            for name, run in runs.items():
+                times, outs = [], []
+                for threshold in (None, 0.0, 1e-3):
+                    outs.append(run(threshold))
+                    times.append(triton.testing.do_bench_cudagraph(lambda r=run, t=threshold: r(t)) * 1e3)
+                if name == "bf16 (--old)":
+                    assert torch.equal(outs[0], reference), "the old kernel's output differs"
+                assert torch.equal(outs[0], outs[1]), f"{name}: threshold 0 differs from off"
+                changed = (outs[2].float() - outs[0].float()).abs().max().item()
+                print(f"{name:22s} {num_keys:5d} {query_len:2d} {times[0]:8.1f} {times[1]:8.1f} {times[2]:8.1f}"
+                      f"  {changed:16.2e}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,117 @@
+"""How the paged attention kernel (kernels/paged_attention.py) reads one tile of keys or values from its cache.
+
+A tile is BLOCK_N cache slots of one KV head, given as their offsets [BLOCK_N] from the head's base pointer.
+The encoding of keys and of values is a compile-time constant, so each cache dtype compiles to its own loop:
+
+- ``MODEL``: the model-dtype cache; a slot's K is HEAD_DIM elements, its V sits ``value_offset`` elements on (the
+  K / V plane stride). Scores are ``q . k`` in the model dtype on the tensor cores (fp32 accumulation), exactly as
+  before the packed formats shared this loop.
+- ``FP8`` keys / values: HEAD_DIM float8_e4m3fn bytes, widened exactly (scale 1.0, as the reference).
+- ``LLOYD_MAX`` keys (``turboquant_*_nc``): the wrapper rotates q once (q @ H); each coordinate's code is unpacked
+  from the little-endian bit stream (two byte loads and a shift, so 3-bit codes straddling a byte come out right),
+  its centroid looked up in a small table, and the score is ``<q_rot, c> * norm / ||c||`` (norm correction): keys
+  are never rotated back.
+- ``UNIFORM`` values: codes unpacked the same way, ``v = code * scale + zero`` (fp16 scale / zero).
+
+Packed slots (kv_cache/formats.py) hold the key part then the value part, multi-byte fields little-endian; decoded
+tiles are in the accumulator dtype (fp32, fp64 for fp64 q) and are never written back.
+"""
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from truespec.kernels.triton_utils import mma, reduce_sum
+
+MODEL, FP8, LLOYD_MAX, UNIFORM = 0, 1, 2, 3  # tile encodings (KEY_ENC / VALUE_ENC), as the host passes them
+# the same, readable inside @triton.jit code (compiled kernels may read only constexpr globals)
+ENC_MODEL, ENC_FP8 = tl.constexpr(MODEL), tl.constexpr(FP8)
+
+
+class CacheTiles(NamedTuple):
+    """How the kernel reads a cache: the tensor, its geometry (in elements; bytes for a packed uint8 cache) and
+    the tile encodings of kernels/kv_tiles.py."""
+
+    cache: torch.Tensor
+    block_size: int
+    num_kv_heads: int
+    strides: tuple[int, int, int]  # block, slot, kv head
+    value_offset: int  # from a slot's key to its value: the K / V plane stride, or a packed slot's key bytes
+    centroids: torch.Tensor  # Lloyd-Max centroid table in the accumulator dtype (unread for other keys)
+    encoding: dict[str, int]  # KEY_ENC, KEY_BITS, KEY_CODE_BYTES, VALUE_ENC, VALUE_BITS, VALUE_CODE_BYTES
+
+
+@triton.jit
+def unpack_codes(base_ptr, idx, mask, BITS: tl.constexpr, NUM_BYTES: tl.constexpr):
+    """Codes ``idx`` (any int tensor) of a packed little-endian bit stream at ``base_ptr`` (NUM_BYTES bytes),
+    as int32: code j is bits [j * BITS, (j + 1) * BITS); it may straddle two bytes."""
+    bit = idx * BITS
+    byte = bit // 8
+    lo = tl.load(base_ptr + byte, mask=mask, other=0).to(tl.int32)
+    hi = tl.load(base_ptr + byte + 1, mask=mask & (byte + 1 < NUM_BYTES), other=0).to(tl.int32)
+    return ((lo | (hi << 8)) >> (bit % 8)) & ((1 << BITS) - 1)
+
+
+@triton.jit
+def load_fp16(ptr, mask):
+    """A little-endian fp16 at byte address ``ptr`` (any alignment), widened to fp32."""
+    lo = tl.load(ptr, mask=mask, other=0).to(tl.uint16)
+    hi = tl.load(ptr + 1, mask=mask, other=0).to(tl.uint16)
+    return (lo | (hi << 8)).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def load_fp8(ptr, mask):
+    """float8_e4m3fn bytes at ``ptr``, widened exactly to fp32 (masked lanes read 0)."""
+    return tl.load(ptr, mask=mask, other=0).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def tile_queries(q, KEY_ENC: tl.constexpr, ACC_DTYPE: tl.constexpr):
+    """The query tile as ``tile_scores`` reads it: the model dtype for MODEL keys, else the accumulator dtype."""
+    if KEY_ENC != ENC_MODEL:
+        q = q.to(ACC_DTYPE)
+    return q
+
+
+@triton.jit
+def tile_scores(q, head_ptr, slot_off, d, n_mask, kv_mask, centroids_ptr, KEY_ENC: tl.constexpr,
+                KEY_BITS: tl.constexpr, KEY_CODE_BYTES: tl.constexpr, UPCAST: tl.constexpr):  # fmt: skip
+    """Unscaled scores [GROUP_PAD, BLOCK_N] of q [GROUP_PAD, HEAD_DIM_PAD] (``tile_queries``) against the keys of
+    the tile's slots, which start ``slot_off`` [BLOCK_N] elements (bytes for a packed cache) past ``head_ptr``."""
+    if KEY_ENC == ENC_MODEL:
+        k = tl.load(head_ptr + (slot_off[:, None] + d[None, :]), mask=kv_mask, other=0.0)  # [BLOCK_N, HEAD_DIM_PAD]
+        s = mma(q, tl.trans(k), UPCAST)
+    elif KEY_ENC == ENC_FP8:
+        k = load_fp8(head_ptr + (slot_off[:, None] + d[None, :]), kv_mask).to(q.dtype)
+        s = mma(q, tl.trans(k), False)
+    else:
+        slot_ptr = head_ptr + slot_off  # [BLOCK_N]
+        codes = unpack_codes(slot_ptr[:, None], d[None, :], kv_mask, KEY_BITS, KEY_CODE_BYTES)
+        c = tl.load(centroids_ptr + codes, mask=kv_mask, other=0.0)  # [BLOCK_N, HEAD_DIM_PAD]
+        c_norm = tl.sqrt(reduce_sum(c * c, 1))
+        norm = load_fp16(slot_ptr + KEY_CODE_BYTES, n_mask).to(q.dtype)
+        weight = norm / tl.where(c_norm > 0, c_norm, 1.0)  # ||k|| / ||c||; masked keys: 0
+        s = mma(q, tl.trans(c), False) * weight[None, :]
+    return s
+
+
+@triton.jit
+def tile_values(value_ptr, slot_off, d, n_mask, kv_mask, VALUE_ENC: tl.constexpr, VALUE_BITS: tl.constexpr,
+                VALUE_CODE_BYTES: tl.constexpr, ACC_DTYPE: tl.constexpr):  # fmt: skip
+    """Values [BLOCK_N, HEAD_DIM_PAD] of the tile's slots, whose value parts start ``slot_off`` [BLOCK_N] past
+    ``value_ptr``: the model dtype for MODEL values, else decoded in the accumulator dtype (masked lanes 0)."""
+    if VALUE_ENC == ENC_MODEL:
+        v = tl.load(value_ptr + (slot_off[:, None] + d[None, :]), mask=kv_mask, other=0.0)
+    elif VALUE_ENC == ENC_FP8:
+        v = load_fp8(value_ptr + (slot_off[:, None] + d[None, :]), kv_mask).to(ACC_DTYPE)
+    else:
+        slot_ptr = value_ptr + slot_off  # [BLOCK_N]
+        codes = unpack_codes(slot_ptr[:, None], d[None, :], kv_mask, VALUE_BITS, VALUE_CODE_BYTES)
+        v_scale = load_fp16(slot_ptr + VALUE_CODE_BYTES, n_mask).to(ACC_DTYPE)
+        v_zero = load_fp16(slot_ptr + VALUE_CODE_BYTES + 2, n_mask).to(ACC_DTYPE)
+        v = codes.to(ACC_DTYPE) * v_scale[:, None] + v_zero[:, None]
+        v = tl.where(kv_mask, v, 0.0)
+    return v

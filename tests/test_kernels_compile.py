@@ -1,0 +1,75 @@
+"""The attention and packed-store kernels compile for Hopper (sm_90) on a machine without a GPU.
+
+Triton's interpreter runs a kernel as Python, so it accepts code the compiler rejects: a kernel reading a global
+that is not a ``tl.constexpr`` (the packed attention kernel once read MAX_SPLITS that way and never compiled), an
+op with no lowering for a dtype. ``triton.compile`` with an explicit target runs the whole pipeline, ptxas included,
+on the CPU. The kernels must be defined compiled, so this runs in a subprocess without ``TRITON_INTERPRET``.
+Each cache dtype's attention loop (sparse-V on; off too for the model dtype) and store kernel, at head_dim 256.
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton")
+
+SCRIPT = r"""
+import importlib, inspect
+import triton, triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from truespec.kv_cache.formats import FORMATS
+from truespec.ops.kv_quant import packed_size
+
+attention = importlib.import_module("truespec.kernels.paged_attention")
+packed = importlib.import_module("truespec.kernels.paged_attention_packed")
+store = importlib.import_module("truespec.kernels.kv_store_packed")
+D = 256
+
+
+def compile_kernel(fn, constexprs, types):
+    params = list(inspect.signature(fn.fn).parameters)
+    signature = {p: "constexpr" if p in constexprs else types.get(p, "i32") for p in params}
+    source = ASTSource(fn=fn, signature=signature, constexprs={(params.index(k),): v for k, v in constexprs.items()})
+    triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+
+
+def attention_types(cache, q):
+    return dict(out_ptr="*bf16", ws_m_ptr="*fp32", ws_l_ptr="*fp32", ws_acc_ptr="*fp32", q_ptr=q, kv_cache_ptr=cache,
+                centroids_ptr="*fp32", query_start_loc_ptr="*i64", seq_lens_ptr="*i64", block_tables_ptr="*i64",
+                scale="fp64", sparse_v_threshold="fp64")
+
+
+layout = dict(HEAD_DIM=D, HEAD_DIM_PAD=D, GROUP=4, GROUP_PAD=16, BLOCK_SIZE=16, BLOCK_N=32, MAX_SPLITS=16,
+              MIN_SPLIT_KEYS=64, ACC_DTYPE=tl.float32, UPCAST=False)
+model = dict(KEY_ENC=0, KEY_BITS=0, KEY_CODE_BYTES=0, VALUE_ENC=0, VALUE_BITS=0, VALUE_CODE_BYTES=0)
+for sparse_v in (False, True):
+    compile_kernel(attention._paged_attention_kernel, dict(layout, **model, SPARSE_V=sparse_v),
+                   attention_types("*bf16", "*bf16"))
+for name in ["fp8", "turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc"]:
+    fmt = FORMATS[name]
+    key_bits = fmt.key_bits or 8
+    value_bits = fmt.value_bits or 8
+    encoding = dict(KEY_ENC=packed.KEY_ENCODINGS[fmt.key_encoding], KEY_BITS=key_bits,
+                    KEY_CODE_BYTES=packed_size(D, key_bits), VALUE_ENC=packed.VALUE_ENCODINGS[fmt.value_encoding],
+                    VALUE_BITS=value_bits, VALUE_CODE_BYTES=packed_size(D, value_bits))
+    compile_kernel(attention._paged_attention_kernel, dict(layout, **encoding, SPARSE_V=True),
+                   attention_types("*u8", "*fp32" if fmt.is_rotated else "*bf16"))
+    compile_kernel(store._kv_store_packed_kernel,
+                   dict(HEAD_DIM=D, HEAD_DIM_PAD=D, **encoding, KEY_BYTES=fmt.key_bytes(D), CODE_BLOCK=32,
+                        COMPUTE_DTYPE=tl.float32, TINY=1.1754943508222875e-38, IS_FP64=False),
+                   dict(k_ptr="*bf16", v_ptr="*bf16", kv_cache_ptr="*u8", slot_mapping_ptr="*i64",
+                        hadamard_ptr="*fp32", boundaries_ptr="*fp32"))
+print("compiled")
+"""
+
+
+def test_attention_and_store_kernels_compile_for_sm90() -> None:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    src = str(Path(__file__).resolve().parents[1] / "src")  # this checkout's truespec, whatever is installed
+    env["PYTHONPATH"] = os.pathsep.join([src, *filter(None, [env.get("PYTHONPATH")])])
+    result = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0 and "compiled" in result.stdout, result.stderr[-4000:]
