@@ -16,6 +16,7 @@ from truespec.engine.output_processor import OutputProcessor
 from truespec.engine.parallel_sampling import ParentRequest, ParentRequests
 from truespec.engine.stop_checker import StopChecker
 from truespec.kv_cache.config import CacheConfig
+from truespec.kv_cache.layout import set_sparse_v
 from truespec.kv_cache.manager import KVCacheManager
 from truespec.kv_cache.sizing import num_kv_blocks, resolve_max_model_len
 from truespec.layers.linear import set_batch_invariant
@@ -50,6 +51,8 @@ class LLMEngine:
         self.max_model_len = resolve_max_model_len(config.max_model_len, self.hf_config)
         self.vocab_size = self.hf_config.vocab_size
         drafter = load_drafter(spec, loaded, self.device)  # weights only: the KV pool is sized after it
+        for model in (loaded.model, drafter) if drafter is not None else (loaded.model,):
+            set_sparse_v(model, cache)
         if drafter is not None:
             set_batch_invariant(drafter, config.batch_invariant)
         self.stop_checker = StopChecker(self.tokenizer, self.hf_config, config.model)

@@ -69,8 +69,9 @@ from truespec.kernels.triton_utils import (
     reduce_sum,
     tl_compute_dtype,
 )
+from truespec.ops.attention import BLOCK_N, MAX_SPLITS, MIN_SPLIT_KEYS
 
-BLOCK_N, MAX_SPLITS, MIN_SPLIT_KEYS, NUM_WARPS = 32, 16, 64, 4  # defaults, tuned on an H200 (module docstring)
+NUM_WARPS = 4  # BLOCK_N, MAX_SPLITS, MIN_SPLIT_KEYS (ops/attention.py): tuned on an H200 (module docstring)
 MAX_WORKSPACE_BYTES = 128 << 20
 
 
@@ -92,7 +93,7 @@ def _row_layout(query_start_loc_ptr, seq_lens_ptr, num_reqs, token, BLOCK_N: tl.
 
 
 # One binary for every batch, chunk and (eager) block-table width: integer arguments that vary are not specialised.
-@triton.jit(do_not_specialize=["num_reqs", "row_offset", "ws_splits", "stride_bt_req"])
+@triton.jit(do_not_specialize=["num_reqs", "row_offset", "ws_splits", "stride_bt_req", "sparse_v_min_keys"])
 def _paged_attention_kernel(
     out_ptr,  # [T, num_heads, head_dim]
     ws_m_ptr,  # [chunk, num_heads, ws_splits] running max per split
@@ -109,6 +110,7 @@ def _paged_attention_kernel(
     ws_splits,  # split slots per (row, head) in the workspace (the grid's third dim)
     scale: tl.float64,
     sparse_v_threshold: tl.float64,  # read with SPARSE_V only
+    sparse_v_min_keys,  # SPARSE_V: only rows with at least this many keys skip (the "auto" mode's context gate)
     stride_q_tok,
     stride_q_head,
     stride_o_tok,
@@ -179,7 +181,7 @@ def _paged_attention_kernel(
         if SPARSE_V:
             # the tile's largest weight p / l over the program's query heads (the GQA padding rows excluded)
             weight = reduce_max(tl.where(g < GROUP, reduce_max(p, 1) / l, 0.0), 0)
-            if weight < threshold:  # strict: threshold 0 never skips
+            if (weight < threshold) & (num_keys >= sparse_v_min_keys):  # strict: threshold 0 never skips
                 acc = acc * alpha[:, None]
             else:
                 acc = _add_values(acc, alpha, p, value_ptr, slot_off, d, n_mask, kv_mask, VALUE_ENC, VALUE_BITS,
@@ -271,6 +273,7 @@ def paged_attention(
     num_warps: int = NUM_WARPS,
     max_workspace_bytes: int = MAX_WORKSPACE_BYTES,
     sparse_v_threshold: float | None = None,
+    sparse_v_min_keys: int = 0,
 ) -> torch.Tensor:
     """Causal attention of q [T, num_heads, head_dim] over the paged ``kv_cache``
     [2, num_blocks, block_size, num_kv_heads, head_dim]; query token i of request r sits at position
@@ -281,7 +284,8 @@ def paged_attention(
     so the number of row chunks) follows ``max_workspace_bytes``, which never changes a row's result.
     ``sparse_v_threshold``: None runs without the sparse-V tile skip; a float in [0, 1] skips the values of a tile
     whose weights p / l are all below it (0 skips nothing and gives the same bits as None; see the module
-    docstring). Returns ``out`` [T, num_heads, head_dim] (allocated if None)."""
+    docstring); ``sparse_v_min_keys``: only rows with at least this many keys skip (sparse_v="auto").
+    Returns ``out`` [T, num_heads, head_dim] (allocated if None)."""
     _, _, block_size, num_kv_heads, cache_head_dim = kv_cache.shape
     if cache_head_dim != q.shape[-1] or q.shape[1] % num_kv_heads != 0 or q.stride(-1) != 1:
         raise ValueError(f"q {tuple(q.shape)} (unit last stride) does not fit kv_cache {tuple(kv_cache.shape)}")
@@ -292,7 +296,8 @@ def paged_attention(
                                                           VALUE_BITS=0, VALUE_CODE_BYTES=0))  # fmt: skip
     out = torch.empty_like(q) if out is None else out
     return split_attention(q, tiles, query_start_loc, seq_lens, block_tables, scale, out, block_n, max_splits,
-                           min_split_keys, num_warps, max_workspace_bytes, sparse_v_threshold)  # fmt: skip
+                           min_split_keys, num_warps, max_workspace_bytes, sparse_v_threshold,
+                           sparse_v_min_keys)  # fmt: skip
 
 
 def split_attention(
@@ -309,6 +314,7 @@ def split_attention(
     num_warps: int,
     max_workspace_bytes: int,
     sparse_v_threshold: float | None,
+    sparse_v_min_keys: int = 0,
 ) -> torch.Tensor:
     """Both kernels over any cache (``paged_attention`` and ``paged_attention_packed`` check their cache and build
     ``tiles``): q [T, num_heads, head_dim] as the kernel reads it, ``out`` in the model dtype (the accumulator
@@ -346,8 +352,8 @@ def split_attention(
         rows = min(chunk, num_tokens - row_offset)
         _paged_attention_kernel[(rows, tiles.num_kv_heads, grid_splits)](
             out, ws_m, ws_l, ws_acc, q, tiles.cache, tiles.centroids, query_start_loc, seq_lens, block_tables,
-            num_reqs, row_offset, grid_splits, scale, threshold, q.stride(0), q.stride(1), out.stride(0),
-            out.stride(1), tiles.value_offset, *tiles.strides, block_tables.stride(0),
+            num_reqs, row_offset, grid_splits, scale, threshold, sparse_v_min_keys, q.stride(0), q.stride(1),
+            out.stride(0), out.stride(1), tiles.value_offset, *tiles.strides, block_tables.stride(0),
             GROUP=group, GROUP_PAD=pad_pow2(group), BLOCK_SIZE=tiles.block_size, ACC_DTYPE=tl_compute_dtype(out.dtype),
             UPCAST=needs_dot_upcast(q.dtype), SPARSE_V=sparse_v_threshold is not None, num_warps=num_warps,
             **tiles.encoding, **constants,

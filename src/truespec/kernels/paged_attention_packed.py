@@ -114,6 +114,7 @@ def paged_attention_packed(
     num_warps: int = NUM_WARPS,
     max_workspace_bytes: int = MAX_WORKSPACE_BYTES,
     sparse_v_threshold: float | None = None,
+    sparse_v_min_keys: int = 0,
 ) -> torch.Tensor:
     """Causal attention of q [T, num_heads, head_dim] over the packed paged ``kv_cache`` uint8
     [num_blocks, block_size, num_kv_heads, fmt.bytes_per_token(head_dim)]; query token i of request r sits at
@@ -147,4 +148,5 @@ def paged_attention_packed(
     tiles = CacheTiles(kv_cache, block_size, num_kv_heads, (kv_cache.stride(0), kv_cache.stride(1),
                        kv_cache.stride(2)), fmt.key_bytes(head_dim), centroids, encoding)  # fmt: skip
     return split_attention(q_in, tiles, query_start_loc, seq_lens, block_tables, scale, out, block_n, max_splits,
-                           min_split_keys, num_warps, max_workspace_bytes, sparse_v_threshold)  # fmt: skip
+                           min_split_keys, num_warps, max_workspace_bytes, sparse_v_threshold,
+                           sparse_v_min_keys)  # fmt: skip

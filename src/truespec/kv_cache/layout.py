@@ -15,7 +15,9 @@ tables and state groups (``spec_decode/model_drafter.py``).
 
 import torch
 
+from truespec.kv_cache.config import CacheConfig
 from truespec.kv_cache.formats import FORMATS, KVFormat, compressed_layers, kv_format
+from truespec.ops.attention import SparseV
 
 
 def kv_slots(block_ids: list[int], start: int, end: int, block_size: int) -> list[int]:
@@ -52,6 +54,15 @@ def state_bytes_per_slot(model: torch.nn.Module) -> int:
         for shape, dtype in zip(layer.state_shapes(), layer.state_dtypes(), strict=True):
             total += _numel(shape) * _element_size(dtype)
     return total
+
+
+def set_sparse_v(model: torch.nn.Module, cache: CacheConfig) -> None:
+    """Bind the cache config's sparse-V tile skip to every attention layer of a model or drafter (before any graph
+    is captured: the kernels' threshold is a launch argument)."""
+    min_keys = cache.sparse_v_min_keys
+    sparse_v = None if min_keys is None else SparseV.of(cache.sparse_v_threshold, min_keys)
+    for layer in model.attention_layers():
+        layer.sparse_v = sparse_v
 
 
 def allocate_caches(model: torch.nn.Module, num_blocks: int, block_size: int, num_state_slots: int,

@@ -14,7 +14,7 @@ from torch import nn
 
 from truespec.forward_context import get_forward_context
 from truespec.layers.backend import kernels, use_kernels
-from truespec.ops.attention import paged_attention_ref, reshape_and_cache_ref, store_packed_ref
+from truespec.ops.attention import SparseV, paged_attention_ref, reshape_and_cache_ref, store_packed_ref
 
 
 class PagedAttention(nn.Module):
@@ -22,8 +22,10 @@ class PagedAttention(nn.Module):
 
     kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim] in the model dtype (index 0 = K, 1 = V), or,
     with a compressed ``kv_format`` (kv_cache/formats.py, bound with the cache), uint8 [num_blocks, block_size,
-    num_kv_heads, bytes per token]: each slot encoded on store and decoded on read, through the torch reference
-    (no Triton kernel reads packed caches yet).
+    num_kv_heads, bytes per token]: each slot encoded on store (kernels/kv_store_packed.py) and read straight from
+    its bytes (kernels/paged_attention_packed.py); fp64 models and CPU runs use the torch reference
+    (``KVFormat.encode`` / ``decode``). ``sparse_v`` (bound with the cache): the sparse-V tile skip, the same rule
+    in the kernels and the reference (ops/attention.py ``tiled_attention``).
     """
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
@@ -36,6 +38,7 @@ class PagedAttention(nn.Module):
         self.scale = scale
         self.kv_cache: torch.Tensor | None = None
         self.kv_format = None  # KVFormat of a compressed cache (encode / decode), None: the model dtype
+        self.sparse_v: SparseV | None = None  # None: every tile's values are read
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, int, int, int, int]:
         return (2, num_blocks, block_size, self.num_kv_heads, self.head_dim)
@@ -47,16 +50,23 @@ class PagedAttention(nn.Module):
             raise RuntimeError("PagedAttention.kv_cache is not bound: the model runner must bind it first")
         ctx = get_forward_context()
         meta = (ctx.query_start_loc, ctx.seq_lens, ctx.block_tables)
+        skip = {} if self.sparse_v is None else dict(sparse_v_threshold=self.sparse_v.threshold,
+                                                     sparse_v_min_keys=self.sparse_v.min_keys)
+        fast = use_kernels(q) and q.dtype != torch.float64  # fp64 packed reads do not compile (kernel docstring)
+        if self.kv_format is not None and fast:
+            kernels().store_packed(k, v, self.kv_cache, ctx.slot_mapping, self.kv_format)
+            return kernels().paged_attention_packed(q, self.kv_cache, *meta, self.scale, self.kv_format,
+                                                    self.head_dim, **skip)
         if self.kv_format is not None:
             num_tokens = ctx.slot_mapping.shape[0]
             store_packed_ref(self.kv_format.encode(k[:num_tokens], v[:num_tokens]), self.kv_cache, ctx.slot_mapping)
             decode = functools.partial(self.kv_format.decode, head_dim=self.head_dim, dtype=q.dtype)
-            return paged_attention_ref(q, self.kv_cache, *meta, self.scale, decode=decode)
+            return paged_attention_ref(q, self.kv_cache, *meta, self.scale, decode=decode, sparse_v=self.sparse_v)
         if use_kernels(q):  # one Triton kernel for decode, verify and prefill rows (invariant 4)
             kernels().reshape_and_cache(k, v, self.kv_cache, ctx.slot_mapping)
-            return kernels().paged_attention(q, self.kv_cache, *meta, self.scale)
+            return kernels().paged_attention(q, self.kv_cache, *meta, self.scale, **skip)
         reshape_and_cache_ref(k, v, self.kv_cache, ctx.slot_mapping)
-        return paged_attention_ref(q, self.kv_cache, *meta, self.scale)
+        return paged_attention_ref(q, self.kv_cache, *meta, self.scale, sparse_v=self.sparse_v)
 
     def extra_repr(self) -> str:
         return f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}"

@@ -22,6 +22,11 @@ from truespec.ops.precision import compute_dtype
 SlotDecoder = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
+# the kernels' split layout (kernels/paged_attention.py, tuned on an H200): keys per tile, most splits per row, fewest
+# keys per split. Here so that the reference can follow the kernels' tiles without importing triton.
+BLOCK_N, MAX_SPLITS, MIN_SPLIT_KEYS = 32, 16, 64
+
+
 class SparseV(NamedTuple):
     """The kernels' sparse-V tile skip and the split layout it runs over (kernels/paged_attention.py)."""
 
@@ -29,6 +34,12 @@ class SparseV(NamedTuple):
     block_n: int
     max_splits: int
     min_split_keys: int
+    min_keys: int = 0  # only rows with at least this many keys skip (sparse_v="auto")
+
+    @classmethod
+    def of(cls, threshold: float, min_keys: int = 0) -> "SparseV":
+        """The skip rule over the kernels' default split layout."""
+        return cls(threshold, BLOCK_N, MAX_SPLITS, MIN_SPLIT_KEYS, min_keys)
 
 
 def split_layout(num_keys: int, block_n: int, max_splits: int, min_split_keys: int) -> tuple[int, int]:
@@ -153,10 +164,11 @@ def tiled_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, n
     for i in range(query_len):
         num_keys = num_cached + i + 1
         split_size, _ = split_layout(num_keys, sparse_v.block_n, sparse_v.max_splits, sparse_v.min_split_keys)
+        row_sparse_v = sparse_v if num_keys >= sparse_v.min_keys else sparse_v._replace(threshold=0.0)
         for h in range(num_kv_heads):
             heads = slice(h * group, (h + 1) * group)
             bounds = [(start, min(start + split_size, num_keys)) for start in range(0, num_keys, split_size)]
-            splits = [_attend_split(q64[i, heads], k64[a:b, h], v64[a:b, h], scale, sparse_v) for a, b in bounds]
+            splits = [_attend_split(q64[i, heads], k64[a:b, h], v64[a:b, h], scale, row_sparse_v) for a, b in bounds]
             m_i, l_i, acc_i = (torch.stack(x) for x in list(zip(*splits, strict=True))[:3])  # [splits, G, ...]
             w = torch.exp(m_i - m_i.amax(0))
             out[i, heads] = (acc_i * w[..., None]).sum(0) / (l_i * w).sum(0)[:, None]

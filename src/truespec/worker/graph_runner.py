@@ -51,9 +51,10 @@ class GraphRunner:
         self.mode = mode = settings.mode
         self.sizes = sorted(settings.capture_sizes) if mode != "NONE" else []
         reason = cudagraph_unsupported_reason(device) if self.sizes else None
-        if reason is None and self.sizes and any(layer.kv_format is not None for layer in model.attention_layers()):
-            reason = ("a compressed kv_cache_dtype runs the torch reference attention, which reads its metadata on the "
-                      "host (no Triton kernel reads packed caches yet)")
+        if (reason is None and self.sizes and model.dtype == torch.float64
+                and any(layer.kv_format is not None for layer in model.attention_layers())):
+            reason = ("a float64 model reads a compressed kv_cache_dtype through the torch reference attention, which "
+                      "reads its metadata on the host")
         if reason is not None:
             logger.info("%s: cudagraph_mode=%s but every step runs eagerly: %s", name, mode, reason)
             self.sizes = []
