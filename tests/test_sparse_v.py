@@ -161,8 +161,16 @@ def test_gpu_threshold_zero_is_bitwise_off_and_positive_matches_reference(name: 
         reference = functools.partial(packed_reference, fmt=fmt, head_dim=256)
     off = attend(*args)
     assert torch.equal(attend(*args, sparse_v_threshold=0.0), off)
-    out = attend(*args, sparse_v_threshold=THRESHOLD)
-    expected, num_skipped = reference(args, sparse_v=SparseV(THRESHOLD, **GPU_LAYOUT))
+    # The GPU's exp is not float64's: a tile whose largest weight sits within a hair of the threshold may be
+    # skipped by one and kept by the other (an fp32 difference up to that tile's weight x |v|, measured ~1.7e-4 on
+    # an H100). Compare the rule where no tile is that close: the first threshold whose decisions do not change
+    # within +-1% (the reference counts the same skips at both ends).
+    threshold = next((t for t in (THRESHOLD, 0.8 * THRESHOLD, 1.25 * THRESHOLD, 0.6 * THRESHOLD, 1.6 * THRESHOLD)
+                      if reference(args, sparse_v=SparseV(0.99 * t, **GPU_LAYOUT))[1]
+                      == reference(args, sparse_v=SparseV(1.01 * t, **GPU_LAYOUT))[1]), None)
+    assert threshold is not None, "every candidate threshold has a tile within 1% of it"
+    out = attend(*args, sparse_v_threshold=threshold)
+    expected, num_skipped = reference(args, sparse_v=SparseV(threshold, **GPU_LAYOUT))
     assert num_skipped > 100
     assert_near(out, expected, dtype, GPU_TOL_SCALE)
     assert not torch.equal(out, off)

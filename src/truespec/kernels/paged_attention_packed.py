@@ -43,6 +43,7 @@ from truespec.kernels.paged_attention import (
     CacheTiles,
     split_attention,
 )
+from truespec.kernels.row_invariant_matmul import row_invariant_matmul
 from truespec.ops.kv_quant import hadamard, packed_size
 from truespec.ops.lloyd_max import lloyd_max_codebook
 from truespec.ops.precision import compute_dtype
@@ -77,6 +78,15 @@ class KVFormat(Protocol):
 def _centroid_table(head_dim: int, bits: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Lloyd-Max centroids [2^bits] on ``device`` (cached: no host-to-device copy once warmed up)."""
     return lloyd_max_codebook(head_dim, bits)[0].to(device=device, dtype=dtype)
+
+
+def _rotate(q: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    """q [T, heads, D] @ H, each row's bits independent of T (invariant 4: cuBLAS picks its algorithm by row count,
+    which was measured on an H100 to change a rotated row between a decode and a verify): the row-invariant matmul
+    for fp32 (H is symmetric, so it is its own [N, K] weight); fp64 (CPU / interpreter only) through torch."""
+    if q.dtype != torch.float32:
+        return torch.matmul(q, h)
+    return row_invariant_matmul(q.reshape(-1, q.shape[-1]), h).view(q.shape)
 
 
 @cache
@@ -135,7 +145,7 @@ def paged_attention_packed(
     acc_dtype = compute_dtype(q.dtype)
     if fmt.is_rotated:
         assert fmt.key_bits is not None and fmt.norm_correction, "Lloyd-Max keys are read with norm correction"
-        q_in = torch.matmul(q.to(acc_dtype), hadamard(head_dim, acc_dtype, q.device))  # rotate once
+        q_in = _rotate(q.to(acc_dtype), hadamard(head_dim, acc_dtype, q.device))  # once per step
         centroids = _centroid_table(head_dim, fmt.key_bits, acc_dtype, q.device)
         key_bits, key_code_bytes = fmt.key_bits, packed_size(head_dim, fmt.key_bits)
     else:
