@@ -57,9 +57,13 @@ def greedy_reference(plain: LLM) -> list[tuple]:
     return outputs(plain, PROMPTS, constrained())
 
 
-def test_json_schema_output_parses_and_follows_the_schema(greedy_reference: list[tuple]) -> None:
-    for _, text, reason in greedy_reference:
+def test_json_schema_output_parses_and_follows_the_schema(plain: LLM, greedy_reference: list[tuple]) -> None:
+    for tokens, text, reason in greedy_reference:
         assert reason == "stop" and follows_schema(json.loads(text)), text  # EOS right where the object closed
+        assert tokens[-1] in (0, 2)
+    # the grammar's stop tokens are the engine's EOS ids (config, generation config and tokenizer together)
+    engine = plain.llm_engine
+    assert engine.structured_outputs.compiler.stop_token_ids == sorted(engine.stop_checker.eos_token_ids) == [0, 2]
 
 
 def grammar_accepts(llm: LLM, so: StructuredOutputsParams, token_ids: list[int]) -> bool:
