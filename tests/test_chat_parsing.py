@@ -82,16 +82,40 @@ def test_without_tools_or_with_tool_choice_none_only_reasoning_is_split() -> Non
     assert plain(request()).final(HERMES).content == HERMES
 
 
-@pytest.mark.parametrize("choice, enabled, message", [
-    ("auto", False, "--enable-auto-tool-choice"), ("required", True, "constrained decoding"),
-    ({"type": "function", "function": {"name": "add"}}, True, "constrained decoding"),
-    ({"type": "function", "function": {"name": "nope"}}, True, "not in tools"),
+@pytest.mark.parametrize("choice, tools, message", [
+    ("auto", TOOLS, "--enable-auto-tool-choice"), ("required", None, '"required" needs tools'),
+    ({"type": "function", "function": {"name": "nope"}}, TOOLS, "not in tools"),
+    ({"type": "function", "function": {"name": "add"}}, None, "not in tools"),
+    ({"type": "function"}, TOOLS, "tool_choice must be"),
 ])
-def test_tool_choice_errors_name_the_field(choice: object, enabled: bool, message: str) -> None:
-    make = chat_parser_factory("qwen3_coder", None, enable_auto_tool_choice=enabled)
+def test_tool_choice_errors_name_the_field(choice: object, tools: list | None, message: str) -> None:
+    make = chat_parser_factory("qwen3_coder", None, enable_auto_tool_choice=choice != "auto")
     with pytest.raises(UnsupportedError, match=message) as err:
-        make(request(tools=TOOLS, tool_choice=choice))
+        make(request(tools=tools, tool_choice=choice))
     assert err.value.param == "tool_choice"
+
+
+REQUIRED = '[{"name": "add", "parameters": {"a": 2, "b": 3.5, "note": "\u00e9 x"}}, {"name": "now", "parameters": {}}]'
+
+
+@pytest.mark.parametrize(("choice", "text", "calls", "finish"), [
+    ("required", REQUIRED, [("add", {"a": 2, "b": 3.5, "note": "é x"}), ("now", {})], "tool_calls"),
+    ({"type": "function", "function": {"name": "add"}}, '{"a": 1, "b": 2}', [("add", {"a": 1, "b": 2})], "stop"),
+    ("required", '[{"name": "add", "param', [], "stop"),  # cut short: it stays content
+])
+def test_forced_tool_calls_stream_as_they_return(choice: object, text: str, calls: list, finish: str) -> None:
+    """tool_choice "required" / named (whatever the server's flags): the constrained JSON becomes the calls, with
+    ids call_0, call_1, ...; any cut of the text streams the same calls; finish_reason as vLLM's."""
+    for flags in (("qwen3_coder", "qwen3", True), (None, None, False)):
+        make = chat_parser_factory(*flags)
+        req = request(tools=TOOLS, tool_choice=choice)
+        expected = at_once(make, req, text)
+        assert [(c["id"], c["name"], json.loads(c["arguments"])) for c in expected["calls"]] == \
+            [(f"call_{i}", name, args) for i, (name, args) in enumerate(calls)]
+        assert expected["finish"] == finish and expected["content"] == (None if calls else text)
+        assert make(req).structured_outputs.json["type"] == ("array" if choice == "required" else "object")
+        for size in range(1, 9):
+            assert streamed(make, req, text, list(range(size, len(text), size))) == expected
 
 
 def test_bad_server_flags_are_named() -> None:

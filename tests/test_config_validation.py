@@ -113,3 +113,15 @@ def test_batch_invariant_false_reaches_every_projection_of_target_and_drafter() 
     modules = list(target.modules()) + list(engine.proposer.head.modules())
     linears = [m for m in modules if isinstance(m, Linear)]
     assert linears and not any(m.batch_invariant for m in linears) and not target.batch_invariant
+
+
+@pytest.mark.parametrize("value, field", [
+    ({"backend": "guidance"}, "structured_outputs_config.backend"),
+    ({"disable_any_whitespace": "yes"}, "structured_outputs_config.disable_any_whitespace"),
+    ({"whitespace_pattern": " "}, "structured_outputs_config has unknown keys"), ("{}", "structured_outputs_config"),
+])
+def test_bad_structured_outputs_config_names_the_field(value: object, field: str) -> None:
+    with pytest.raises(ValueError, match=field):
+        EngineConfig(model="some/dir", structured_outputs_config=value)
+    assert EngineConfig(model="d", structured_outputs_config={"disable_any_whitespace": True}) \
+        .structured_outputs_config.disable_any_whitespace

@@ -15,9 +15,10 @@ import pytest
 SRC = Path(__file__).resolve().parents[1] / "src"
 ROOT = "truespec"
 EXCLUDED = {"training"}  # its own pipeline: it may import anything, and nothing here is checked against it
-# Highest first: entrypoints -> llm / engine -> spec_decode -> worker -> models -> layers -> kernels -> ops.
-ORDER = ["entrypoints", "llm", "engine", "spec_decode", "worker", "core", "kv_cache", "models", "layers", "kernels",
-         "ops"]  # fmt: skip
+# Highest first: entrypoints -> llm / engine -> spec_decode -> structured_output -> worker -> models -> layers ->
+# kernels -> ops.
+ORDER = ["entrypoints", "llm", "engine", "spec_decode", "structured_output", "worker", "core", "kv_cache", "models",
+         "layers", "kernels", "ops"]  # fmt: skip
 LEAVES = {"config", "sampling_params", "outputs", "forward_context", "tokenizer", "assets", "dtypes"}
 TOP = {ROOT, f"{ROOT}.__main__"}  # the package's public face and ``python -m truespec``: above everything
 # Request and cache bookkeeping: plain Python, testable without torch (docs/ARCHITECTURE.md)

@@ -68,6 +68,13 @@ SAMPLING = {
     "skip_special_tokens": st.booleans() | JSON,
     "include_stop_str_in_output": st.booleans(),
     "user": TEXT | JSON,
+    # output constraints: well-formed ones run constrained decoding, junk schemas / regexes / grammars are 400s
+    "response_format": st.sampled_from([{"type": "json_object"}, {"type": "text"}, {"type": "json_schema"}]) | JSON
+    | st.fixed_dictionaries({"type": st.just("json_schema"), "json_schema": st.fixed_dictionaries(
+        {"name": TEXT, "schema": JSON | st.just({"type": "object", "properties": {"a": {"type": "integer"}}})})}),
+    "structured_outputs": JSON | st.fixed_dictionaries({}, optional={
+        "json": JSON, "regex": TEXT | st.just("[a-z]{1,3}"), "choice": st.lists(TEXT, max_size=3) | JSON,
+        "grammar": TEXT | st.just('root ::= "a" | "b"'), "json_object": JSON, "disable_any_whitespace": JSON}),
 }
 FIELDS: dict[str, dict[str, Any]] = {
     "/v1/completions": SAMPLING | {
@@ -80,6 +87,7 @@ FIELDS: dict[str, dict[str, Any]] = {
         "tool_choice": st.sampled_from(["auto", "none", "required", "bogus"]) | JSON | st.fixed_dictionaries(
             {"type": st.just("function"), "function": st.fixed_dictionaries({"name": st.sampled_from(["add", "x"])})
              | JSON}),
+        "parallel_tool_calls": st.booleans() | JSON,
         "add_generation_prompt": st.booleans(),
         "chat_template_kwargs": st.dictionaries(st.sampled_from(TEMPLATE_KWARGS), JSON, min_size=1, max_size=2) | JSON},
     "/tokenize": {"model": st.just(MODEL) | JSON, "prompt": TEXT | JSON, "messages": st.lists(MESSAGE, max_size=2),

@@ -2,6 +2,7 @@
 streamed and not, with and without speculation; tokenize, metrics, OpenAI-style errors, API key, aborts on
 disconnect, SIGTERM. The embedded model in float32, a few tokens per request."""
 
+import json
 import os
 import re
 import signal
@@ -17,7 +18,9 @@ import pytest
 
 openai = pytest.importorskip("openai")
 
-ENGINE_ARGS = ["--dtype", "float32", "--device", "cpu", "--max-model-len", "256", "--max-num-seqs", "4"]
+ENGINE_ARGS = ["--dtype", "float32", "--device", "cpu", "--max-model-len", "256", "--max-num-seqs", "4",
+               # structured outputs: the tiny model would spend its tokens on the whitespace JSON allows
+               "--structured-outputs-config", '{"disable_any_whitespace": true}']
 SPEC = '{"method": "ngram", "num_speculative_tokens": 3}'
 API_KEY = "sk-test-key"
 PROMPT = "def fib(n):"
@@ -241,7 +244,8 @@ TOOLS = [{"type": "function", "function": {"name": "add", "description": "Add tw
 
 def test_tool_choice_is_checked_and_parsed_responses_stream_alike(servers: tuple[Server, Server]) -> None:
     """With the parsers on, a chat with tools streams the same content / reasoning / tool_calls as it returns at
-    once; tool_choice "auto" without --enable-auto-tool-choice, "required" and an unknown function are 400s."""
+    once; tool_choice "auto" without --enable-auto-tool-choice, an unknown function and "required" without tools
+    are 400s."""
     plain, spec = servers
     messages = [{"role": "user", "content": "Add 2 and 3."}]
     client = spec.client()
@@ -253,9 +257,9 @@ def test_tool_choice_is_checked_and_parsed_responses_stream_alike(servers: tuple
     assert streamed == (full.choices[0].message.content or "")
     assert chunks[-1].choices[0].finish_reason == full.choices[0].finish_reason
     unknown = {"type": "function", "function": {"name": "x"}}
-    for server, choice in ((plain, "auto"), (spec, "required"), (spec, unknown)):
+    for server, choice, tools in ((plain, "auto", TOOLS), (spec, unknown, TOOLS), (plain, "required", None)):
         with pytest.raises(openai.BadRequestError) as err:
-            server.client().chat.completions.create(model=_model(server), messages=messages, tools=TOOLS,
+            server.client().chat.completions.create(model=_model(server), messages=messages, tools=tools,
                                                     tool_choice=choice, max_tokens=4)
         assert err.value.body["param"] == "tool_choice"
     assert plain.client().chat.completions.create(model=_model(plain), messages=messages, tools=TOOLS,
@@ -342,3 +346,79 @@ def test_each_choice_has_its_own_tool_and_reasoning_parser(servers: tuple[Server
     assert streamed == {0: one.message.content or "", 1: one.message.content or ""}
     assert {c.index: c.finish_reason for c in chunks if c.finish_reason} == {0: one.finish_reason,
                                                                              1: one.finish_reason}
+
+
+ADD = {"type": "function", "function": {"name": "add", "parameters": {
+    "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}}
+NOW = {"type": "function", "function": {"name": "now", "parameters": {"type": "object", "properties": {}}}}
+
+
+def _calls(message_calls: list) -> list[tuple[str, str, str]]:
+    return [(c.id, c.function.name, c.function.arguments) for c in message_calls]
+
+
+def _streamed_calls(chunks: list) -> list[tuple[str, str, str]]:
+    calls: dict[int, list[str]] = {}
+    for chunk in chunks:
+        for delta in (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []:
+            call = calls.setdefault(delta.index, ["", "", ""])
+            call[0], call[1] = call[0] or delta.id or "", call[1] or delta.function.name or ""
+            call[2] += delta.function.arguments or ""
+    return [tuple(calls[i]) for i in sorted(calls)]
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "add"}}])
+def test_forced_tool_calls_follow_the_tool_schema_and_stream_alike(servers: tuple[Server, Server],
+                                                                   choice: object) -> None:
+    """tool_choice "required" / named: the constrained output becomes tool_calls whose arguments follow the tool's
+    schema; streamed calls add up to the non-streamed ones; the ngram-speculative server makes the same calls."""
+    messages = [{"role": "user", "content": "Add 2 and 3."}]
+    kwargs = dict(messages=messages, tools=[ADD, NOW], tool_choice=choice, max_tokens=48, temperature=0,
+                  parallel_tool_calls=False)  # "required": exactly one call (the tiny model would repeat it)
+    made = []
+    for server in servers:
+        client, model = server.client(), _model(server)
+        full = client.chat.completions.create(model=model, **kwargs).choices[0]
+        chunks = list(client.chat.completions.create(model=model, **kwargs, stream=True))
+        calls = _calls(full.message.tool_calls)
+        assert _streamed_calls(chunks) == calls and full.message.content == ""
+        assert full.finish_reason == chunks[-1].choices[0].finish_reason == ("tool_calls" if choice == "required"
+                                                                             else "stop")  # as vLLM / OpenAI
+        (call_id, name, arguments), = calls
+        args = json.loads(arguments)
+        assert call_id == "call_0" and name == "add" and set(args) == {"a", "b"}
+        assert all(type(v) is int for v in args.values())
+        made.append(calls)
+    assert made[0] == made[1]
+
+
+def test_response_format_json_schema_content_parses(servers: tuple[Server, Server]) -> None:
+    schema = {"type": "object", "properties": {"sum": {"type": "integer"}}, "required": ["sum"],
+              "additionalProperties": False}
+    plain, spec = servers
+    kwargs = dict(messages=[{"role": "user", "content": "Add 2 and 3."}], max_tokens=32, temperature=0,
+                  response_format={"type": "json_schema", "json_schema": {"name": "sum", "schema": schema}})
+    full = plain.client().chat.completions.create(model=_model(plain), **kwargs).choices[0]
+    value = json.loads(full.message.content)
+    assert full.finish_reason == "stop" and set(value) == {"sum"} and type(value["sum"]) is int
+    chunks = spec.client().chat.completions.create(model="spec", **kwargs, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == full.message.content
+    text = plain.client().completions.create(model=_model(plain), prompt=PROMPT, max_tokens=32, temperature=0,
+                                             extra_body={"response_format": kwargs["response_format"]})
+    assert set(json.loads(text.choices[0].text)) == {"sum"}
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "foo"}}}],
+      "tool_choice": "required"}, "tools"),
+    ({"tools": [ADD], "tool_choice": {"type": "function", "function": {"name": "sub"}}}, "tool_choice"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"properties": 5}}}},
+     "response_format"),
+    ({"response_format": {"type": "xml"}}, "response_format"),
+    ({"structured_outputs": {"regex": "("}}, "structured_outputs"),
+    ({"response_format": {"type": "json_object"}, "structured_outputs": {"choice": ["a"]}}, "response_format"),
+])
+def test_bad_output_constraint_is_400_naming_the_field(server: Server, body: dict, param: str) -> None:
+    r = httpx.post(server.url + "/v1/chat/completions", timeout=30, json={
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2} | body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.json()

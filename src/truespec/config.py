@@ -42,10 +42,14 @@ class EngineConfig:
     # the rest of its step, so speculation and batching never change a token (layers/linear.py). False: the
     # one-row skinny kernel / cuBLAS path, faster for long prefill chunks but not batch invariant in 16-bit.
     batch_invariant: bool = True
+    # vLLM's structured_outputs_config: how requests' structured outputs are matched (structured_output/)
+    structured_outputs_config: "StructuredOutputsConfig | dict | None" = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "speculative_config", SpeculativeConfig.from_dict(self.speculative_config))
         object.__setattr__(self, "compilation_config", CompilationConfig.from_dict(self.compilation_config))
+        object.__setattr__(self, "structured_outputs_config",
+                           StructuredOutputsConfig.from_dict(self.structured_outputs_config))
         fspath(self, "model", "tokenizer")
         check(isinstance(self.skip_tokenizer_init, bool), "skip_tokenizer_init",
               f"must be a bool, got {self.skip_tokenizer_init!r}")
@@ -254,4 +258,31 @@ class CompilationConfig:
         known = {"cudagraph_mode", "cudagraph_capture_sizes", "max_cudagraph_capture_size"}
         unknown = sorted(set(d) - known)
         check(not unknown, "compilation_config", f"has unknown keys {unknown}; known: {sorted(known)}")
+        return cls(**d)
+
+
+@dataclass(frozen=True)
+class StructuredOutputsConfig:
+    """vLLM's ``structured_outputs_config`` keys that apply here. backend: "auto" or "xgrammar" (the one truespec
+    has). disable_any_whitespace: JSON constraints allow no free whitespace between tokens (one space after ``:``
+    and ``,``), for every request; a small model can otherwise spend its tokens on whitespace."""
+
+    backend: str = "auto"
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        check(self.backend in ("auto", "xgrammar"), "structured_outputs_config.backend",
+              f'must be "auto" or "xgrammar", got {self.backend!r}')
+        check(isinstance(self.disable_any_whitespace, bool), "structured_outputs_config.disable_any_whitespace",
+              f"must be a bool, got {self.disable_any_whitespace!r}")
+
+    @classmethod
+    def from_dict(cls, d: "dict | StructuredOutputsConfig | None") -> "StructuredOutputsConfig":
+        if d is None or isinstance(d, StructuredOutputsConfig):
+            return d or cls()
+        if not isinstance(d, dict):
+            raise ValueError(f"structured_outputs_config must be a dict, got {type(d).__name__}")
+        unknown = sorted(set(d) - {"backend", "disable_any_whitespace"})
+        check(not unknown, "structured_outputs_config", f"has unknown keys {unknown}; known: "
+              "['backend', 'disable_any_whitespace']")
         return cls(**d)

@@ -1,9 +1,12 @@
-"""SamplingParams: how one request picks its tokens and when it stops (vLLM's fields and meanings)."""
+"""SamplingParams: how one request picks its tokens and when it stops (vLLM's fields and meanings), and
+StructuredOutputsParams: the grammar its tokens must follow (vLLM's ``structured_outputs``)."""
 
+import json
 import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, fields
 from enum import Enum
+from typing import Any
 
 MAX_LOGPROBS = 20  # as vLLM's default max_logprobs
 MIN_TEMPERATURE = 1e-2  # vLLM's _MAX_TEMP: a smaller temperature > 0 is raised to it (logits / T overflow)
@@ -19,6 +22,55 @@ class RequestOutputKind(Enum):
     CUMULATIVE = 0  # after each step with new tokens: everything so far
     DELTA = 1  # after each step with new tokens: only what is new (text deltas never split a character)
     FINAL_ONLY = 2  # once, when it finishes (LLM.generate)
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """One constraint on a request's output (vLLM's names): ``json`` (a JSON schema, as a dict or its text),
+    ``json_object`` (any JSON object), ``regex``, ``choice`` (one of these strings) or ``grammar`` (EBNF, as
+    xgrammar reads it). Checked here for types; whether the schema / regex / grammar compiles is checked when the
+    request is added (the engine's grammar compiler), with an error naming the field as well."""
+
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False  # JSON without whitespace between tokens (vLLM's option)
+
+    def __post_init__(self) -> None:
+        given = [name for name in CONSTRAINTS if getattr(self, name) not in (None, False)]
+        _check(len(given) == 1, "structured_outputs", f"must set exactly one of {list(CONSTRAINTS)}", given)
+        _check(isinstance(self.disable_any_whitespace, bool), "structured_outputs.disable_any_whitespace",
+               "must be a bool", self.disable_any_whitespace)
+        _check(self.json_object in (None, True, False), "structured_outputs.json_object", "must be a bool",
+               self.json_object)
+        if isinstance(self.json, str):
+            try:
+                json.loads(self.json)
+            except ValueError as e:
+                raise ValueError(f"SamplingParams.structured_outputs.json is not valid JSON: {e}") from None
+        _check(self.json is None or isinstance(self.json, dict | str), "structured_outputs.json",
+               "must be a JSON schema (a dict or its JSON text)", self.json)
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            _check(value is None or (isinstance(value, str) and value and "\x00" not in value),
+                   f"structured_outputs.{name}", "must be a non-empty string without NUL", value)
+        _check(self.choice is None or (isinstance(self.choice, list | tuple) and self.choice
+                                       and all(isinstance(c, str) for c in self.choice)),
+               "structured_outputs.choice", "must be a non-empty list of strings", self.choice)
+
+    @property
+    def kind(self) -> str:
+        """The constraint set: "json", "json_object", "regex", "choice" or "grammar"."""
+        return next(name for name in CONSTRAINTS if getattr(self, name) not in (None, False))
+
+    @property
+    def spec(self) -> Any:
+        return getattr(self, self.kind)
+
+
+CONSTRAINTS = ("json", "json_object", "regex", "choice", "grammar")
 
 
 @dataclass
@@ -39,6 +91,7 @@ class SamplingParams:
     logprobs: int | None = None  # return the sampled token's and this many top tokens' log-probabilities
     prompt_logprobs: int | None = None  # the same for every prompt token after the first (RequestOutput)
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    structured_outputs: StructuredOutputsParams | None = None  # the grammar the output follows (JSON schema, ...)
 
     def __post_init__(self) -> None:
         for f in fields(self):  # numpy scalars (np.float32(0.5), np.int64(5)) as the Python numbers they hold
@@ -77,6 +130,8 @@ class SamplingParams:
                self.output_kind)
         for name in BOOL_FIELDS:
             _check(isinstance(getattr(self, name), bool), name, "must be a bool", getattr(self, name))
+        _check(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
+               "structured_outputs", "must be a StructuredOutputsParams or None", self.structured_outputs)
 
     @property
     def is_greedy(self) -> bool:
@@ -109,4 +164,4 @@ def _check(ok: bool, name: str, rule: str, value: object) -> None:
         raise ValueError(f"SamplingParams.{name} {rule}, got {value!r}")
 
 
-__all__ = ["RequestOutputKind", "SamplingParams"]
+__all__ = ["RequestOutputKind", "SamplingParams", "StructuredOutputsParams"]

@@ -61,3 +61,6 @@ class SchedulerOutput:
     # requests that finished or were aborted since the previous step: holders of per-request state (sampling
     # generators, drafter streams) drop it
     finished_req_ids: list[str] = field(default_factory=list)
+    # structured outputs: the grammar mask of each logits row, [rows, ceil(vocab / 32)] int32 on the host, set by
+    # the engine after scheduling (structured_output/manager.py); None: no request of the step is constrained
+    grammar_bitmask: Any = None

@@ -1,7 +1,8 @@
 """Async scheduling (vLLM's ``async_scheduling``): queue step N+1 on the device before reading step N's tokens.
 
-Two kinds of step are queued ahead, each only when every running request takes part and no waiting request
-could be admitted (its prompt goes in a step planned on the host):
+Two kinds of step are queued ahead, each only when every running request takes part, no waiting request could be
+admitted (its prompt goes in a step planned on the host) and none has structured outputs (the grammar mask of its
+next rows is built on the host from this step's tokens, so those steps run one after the other):
 - **Decodes**: every request decodes greedily on, one token, without drafts, logprobs (of its output or of its
   prompt): step N+1's input ids are copied on the device from step N's argmax. What no token value changes is
   done ahead (positions, KV blocks, state slots); each request gets a placeholder token that the engine replaces
@@ -95,10 +96,13 @@ class AsyncScheduler:
         return seqs if blocks <= sched.kv.blocks.num_free else None
 
     def _same_requests(self, launched: LaunchedStep) -> list[Sequence] | None:
-        """The requests of ``launched`` if they are exactly the running ones and no waiting one could join."""
+        """The requests of ``launched`` if they are exactly the running ones, no waiting one could join and none has
+        structured outputs (its next rows' grammar mask needs ``launched``'s tokens on the host)."""
         sched = self.scheduler
         if sched.waiting and len(sched.running) < sched.max_num_seqs:
             return None  # the next step may admit a waiting request: its prompt goes in a step planned on the host
+        if any(r.params.structured_outputs is not None for r in launched.sched.scheduled):
+            return None
         seqs = [self.seqs.get(r.request_id) for r in launched.sched.scheduled]
         return seqs if seqs == sched.running and len(seqs) <= sched.max_num_batched_tokens else None
 

@@ -29,6 +29,7 @@ from truespec.spec_decode.interface import DraftRequest
 from truespec.spec_decode.metrics import SpecDecodeMetrics
 from truespec.spec_decode.model_drafter import ModelDrafter
 from truespec.spec_decode.proposer import check_speculative_config, load_drafter, make_proposer, num_lookahead_tokens
+from truespec.structured_output.manager import StructuredOutputManager
 from truespec.tokenizer import load_tokenizer
 from truespec.worker.graph_runner import GraphSettings
 from truespec.worker.model_runner import ModelRunner
@@ -57,6 +58,10 @@ class LLMEngine:
             set_batch_invariant(drafter, config.batch_invariant)
         self.stop_checker = StopChecker(self.tokenizer, self.hf_config, config.model)
         self.output_processor = OutputProcessor(self.tokenizer, self.stop_checker)
+        # grammar matchers of requests with structured outputs; EOS is allowed where the grammar may end
+        self.structured_outputs = StructuredOutputManager(self.tokenizer, self.vocab_size,
+                                                          self.stop_checker.eos_token_ids,
+                                                          config.structured_outputs_config.disable_any_whitespace)
         self.runner = ModelRunner(loaded.model, self.device, self.dtype, config.seed, self.stop_checker.eos_token_ids,
                                   cache.kv_cache_dtype)
         k, n = config.num_speculative_tokens, config.max_num_seqs
@@ -127,6 +132,7 @@ class LLMEngine:
         if bad:
             raise ValueError(f"SamplingParams.stop_token_ids {bad[:5]} are outside the vocabulary "
                              f"[0, {self.vocab_size})")
+        self.structured_outputs.check(params)  # compiles its grammar (cached): a bad schema is a ValueError here
         max_output_len = self.max_model_len - len(token_ids)
         if params.max_tokens is not None:
             max_output_len = min(max_output_len, params.max_tokens)
@@ -141,6 +147,7 @@ class LLMEngine:
         return ParentRequest(seq, [f"{next(self._ids)}" for _ in range(params.n)])
 
     def add_sequence(self, seq: Sequence) -> None:
+        self.structured_outputs.add(seq.request_id, seq.params)
         self.seqs[seq.request_id] = seq
         self.scheduler.add(seq)
 
@@ -162,6 +169,7 @@ class LLMEngine:
         parent = self.parents.pop(request_id)
         for seq_id in [c.request_id for c in parent.children] if parent is not None else [request_id]:
             seq = self.seqs.pop(seq_id, None)
+            self.structured_outputs.forget(seq_id)
             if seq is not None and not seq.is_finished:
                 self.scheduler.finish(seq, "abort")
                 self.output_processor.forget(seq_id)
@@ -185,7 +193,11 @@ class LLMEngine:
                                "(LLM.generate serialises its callers; do the same around the engine)")
         try:
             launched = self.overlap.take()
-            sched = self.scheduler.schedule() if launched is None else launched.sched
+            if launched is None:  # a step planned on the host; a queued one has no constrained request
+                sched = self.scheduler.schedule()
+                sched.grammar_bitmask = self.structured_outputs.bitmask(sched.scheduled)
+            else:
+                sched = launched.sched
             if not sched.scheduled:
                 return []
             try:
@@ -228,6 +240,7 @@ class LLMEngine:
                 continue
             if seq.draft_token_ids:  # used up by this step (or cut to what the request may still emit)
                 seq.draft_token_ids, seq.draft_probs = [], None
+            self.structured_outputs.accept(r.request_id, tokens)
             if r.draft_token_ids:
                 has_drafts = True
                 self.spec_metrics.observe(len(r.draft_token_ids), num_accepted)
@@ -236,6 +249,7 @@ class LLMEngine:
             if reason is not None:  # nothing after the stop leaks out
                 self.scheduler.finish(seq, reason)
                 self.seqs.pop(seq.request_id, None)
+                self.structured_outputs.forget(seq.request_id)
             for hook in self.update_hooks:
                 hook(seq, num_accepted)
             if self.output_processor.wants_output(seq):

@@ -5,12 +5,14 @@
 Streamed and non-streamed responses run the same state machine over the same text (``ReasoningToolStream``), so
 they carry the same content, reasoning and ``tool_calls`` however a speculative step cut the text into deltas.
 ``tool_choice``: "none" turns tool parsing off for the request; "auto" (or unset, with tools) parses calls and needs
-``--enable-auto-tool-choice``; "required" and a named function would need constrained decoding, which truespec does
-not have yet: a 400 says so (a named function that is not among ``tools`` is a 400 naming it either way).
+``--enable-auto-tool-choice``; "required" and a named function constrain the output to the calls' JSON
+(forced_tool_calls.py, whatever the flags); a named function that is not among ``tools``, or either without
+``tools``, is a 400 naming ``tool_choice``.
 """
 
 from collections.abc import Callable
 
+from truespec.entrypoints.forced_tool_calls import ForcedToolCalls, tool_name
 from truespec.entrypoints.openai_protocol import ChatCompletionRequest, DeltaMessage, UnsupportedError
 from truespec.entrypoints.openai_serving import ChatOutputParser
 from truespec.entrypoints.reasoning_parser import REASONING_PARSERS, ReasoningToolStream
@@ -52,6 +54,10 @@ def chat_parser_factory(tool_call_parser: str | None, reasoning_parser: str | No
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (qwen3_coder or hermes)")
 
     def make(req: ChatCompletionRequest) -> ChatOutputParser:
+        choice = req.tool_choice
+        if req.tools and (choice == "required" or isinstance(choice, dict)):
+            name = None if choice == "required" else tool_name(choice, "tool_choice")
+            return ForcedToolCalls(req.tools, name, req.parallel_tool_calls)
         tools = _checked_tools(req, tool_call_parser, enable_auto_tool_choice)
         if tools is None and reasoning_parser is None:
             return ChatOutputParser()
@@ -66,16 +72,15 @@ def _checked_tools(req: ChatCompletionRequest, tool_call_parser: str | None,
                    enable_auto_tool_choice: bool) -> list[dict] | None:
     """The tools to parse calls of (None: no tool parsing), or a 400 naming ``tool_choice``."""
     choice, tools = req.tool_choice, req.tools
-    names = [_function_name(t, "tools") for t in tools or []]
-    if isinstance(choice, dict):
-        name = _function_name(choice, "tool_choice")
-        if name not in names:
-            raise UnsupportedError("tool_choice", f"tool_choice names function {name!r}, which is not in tools")
+    for tool in tools or []:
+        tool_name(tool)
+    if isinstance(choice, dict):  # without tools (with them, ForcedToolCalls took it)
+        raise UnsupportedError("tool_choice", f"tool_choice names function {tool_name(choice, 'tool_choice')!r}, "
+                                              "which is not in tools")
+    if choice == "required":
+        raise UnsupportedError("tool_choice", 'tool_choice "required" needs tools')
     if not tools or choice == "none":
         return None
-    if choice == "required" or isinstance(choice, dict):
-        raise UnsupportedError("tool_choice", f"tool_choice {choice!r} needs constrained decoding, which is not "
-                                              'supported yet: use "auto" or "none"')
     if choice not in (None, "auto"):
         raise UnsupportedError("tool_choice", f'tool_choice must be "auto", "none", "required" or a named function, '
                                               f"got {choice!r}")
@@ -83,15 +88,6 @@ def _checked_tools(req: ChatCompletionRequest, tool_call_parser: str | None,
         raise UnsupportedError("tool_choice", '"auto" tool choice needs the server started with '
                                               "--enable-auto-tool-choice and --tool-call-parser")
     return tools
-
-
-def _function_name(item: object, field: str) -> object:
-    """The ``function.name`` of a tool or a named tool_choice; a 400 naming ``field`` if it has none."""
-    function = item.get("function") if isinstance(item, dict) else None
-    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
-        raise UnsupportedError(field, f'{field} must be {{"type": "function", "function": {{"name": ...}}}}, '
-                                      f"got {item!r}"[:300])
-    return function["name"]
 
 
 def _message(deltas: list[Delta]) -> DeltaMessage | None:

@@ -87,6 +87,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                              "changes a 16-bit token (default: on; --no-batch-invariant: cuBLAS, faster prefill)")
     parser.add_argument("--compilation-config", type=_arg_type(json_object), default=None,
                         help='CUDA graphs, as JSON: \'{"cudagraph_mode": "FULL_DECODE_ONLY"}\'')
+    parser.add_argument("--structured-outputs-config", type=_arg_type(json_object), default=None,
+                        help='structured outputs, as JSON: \'{"disable_any_whitespace": true}\'')
     for knob in KNOBS:  # unset: the engine's default (and verify's baseline)
         parser.add_argument("--" + knob.name.replace("_", "-"), type=_arg_type(knob.parse), default=None,
                             help=knob.help)
@@ -97,7 +99,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
                   max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                   block_size=args.block_size, kv_cache_dtype=args.kv_cache_dtype, enforce_eager=args.enforce_eager,
                   compilation_config=args.compilation_config, async_scheduling=args.async_scheduling,
-                  batch_invariant=args.batch_invariant)
+                  batch_invariant=args.batch_invariant, structured_outputs_config=args.structured_outputs_config)
     kwargs.update({k.name: getattr(args, k.name) for k in KNOBS if getattr(args, k.name) is not None})
     return kwargs | sparse_v_kwargs(args)
 

@@ -48,6 +48,9 @@ class SamplingRequest(BaseModel):
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # the output's format (response_format.py): OpenAI's response_format, or vLLM's structured_outputs field
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -117,6 +120,7 @@ class ChatCompletionRequest(SamplingRequest):
     # parser's job (openai_serving.ChatOutputParser)
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True  # False: tool_choice "required" makes exactly one call
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
 

@@ -27,19 +27,24 @@ from truespec.entrypoints.openai_protocol import (
     CompletionRequest,
     CompletionResponse,
     DeltaMessage,
+    SamplingRequest,
     UnsupportedError,
     UsageInfo,
     random_id,
 )
+from truespec.entrypoints.response_format import check_constraint, constrained_params
 from truespec.entrypoints.serve_loop import EngineLoop
 from truespec.outputs import RequestOutput
-from truespec.sampling_params import SamplingParams
+from truespec.sampling_params import SamplingParams, StructuredOutputsParams
 
 
 class ChatOutputParser:
     """Turns generated text into a chat message (or a streamed delta). The hook where tool-call and reasoning
     parsing plug in (``--tool-call-parser`` / ``--reasoning-parser``: tool_parsers.py, reasoning_parser.py):
-    a subclass fills ``tool_calls`` / ``reasoning_content``. This one passes the text through as content."""
+    a subclass fills ``tool_calls`` / ``reasoning_content``. This one passes the text through as content.
+    ``structured_outputs``: the constraint the output must follow for this parser (forced tool calls' JSON)."""
+
+    structured_outputs: StructuredOutputsParams | None = None
 
     def delta(self, text: str, is_last: bool = False) -> DeltaMessage | None:
         """The streamed delta for ``text`` (``is_last``: the request's last output, flush what is held)."""
@@ -60,7 +65,7 @@ class OpenAIServing:
 
     # ---- completions -----------------------------------------------------------------------------
     async def create_completion(self, req: CompletionRequest, raw: Request) -> Response:
-        params, prompts = req.sampling_params(), req.prompts()
+        params, prompts = await self._constrained(req.sampling_params(), req), req.prompts()
         if req.stream and len(prompts) != 1:
             raise UnsupportedError("prompt", "streaming several prompts in one request is not supported yet")
         gens: list[Generation] = []
@@ -114,6 +119,7 @@ class OpenAIServing:
     async def create_chat_completion(self, req: ChatCompletionRequest, raw: Request) -> Response:
         params, request_id = req.sampling_params(), random_id("chatcmpl")
         parsers = [self.chat_parser(req) for _ in range(params.n)]  # a bad tool_choice: 400 before starting
+        params = await self._constrained(params, req, parsers[0].structured_outputs)
         prompt = await self.loop.call(lambda engine: render_chat(engine, req))
         gen = await self._start(prompt, params, raw)
         num_top = req.top_logprobs or 0
@@ -148,6 +154,15 @@ class OpenAIServing:
         return chunks
 
     # ---- shared ----------------------------------------------------------------------------------
+    async def _constrained(self, params: SamplingParams, req: SamplingRequest,
+                           tool_calls: StructuredOutputsParams | None = None) -> SamplingParams:
+        """``params`` with the request's output constraint, compiled on the engine thread (a 400 naming the field
+        that set it if it does not compile)."""
+        params, field = constrained_params(params, req, tool_calls)
+        if field is not None:
+            await self.loop.call(lambda engine: check_constraint(engine, params, field))
+        return params
+
     async def _start(self, prompt: PromptType, params: SamplingParams, raw: Request) -> Generation:
         return Generation(self.loop, self.loop.submit(prompt, params), raw)
 

@@ -14,6 +14,7 @@ from truespec.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from truespec.kv_cache.layout import allocate_caches, kv_bytes_per_token, state_bytes_per_slot
 from truespec.layers.rejection_sampler import emitted_tokens, greedy_verify, rejection_sample_draws
 from truespec.layers.sampler import request_generator
+from truespec.layers.token_bitmask import apply_token_bitmask_
 from truespec.sampling_params import SamplingParams
 from truespec.worker.graph_runner import GraphRunner, GraphSettings
 from truespec.worker.input_builder import ContextRow, StepInputs
@@ -26,7 +27,7 @@ class LaunchedStep:
     """A step queued on the device (``ModelRunner.launch``) whose tokens ``ModelRunner.collect`` reads."""
 
     sched: SchedulerOutput
-    logits: torch.Tensor  # [rows, vocab] float, min_tokens bans applied
+    logits: torch.Tensor  # [rows, vocab] float, grammar masks and min_tokens bans applied
     output: ModelRunnerOutput
     spans: list[tuple[int, int]] = field(default_factory=list)  # per request: (first logits row, rows)
     raw: dict[int, torch.Tensor] = field(default_factory=dict)  # log-softmax rows of logprobs requests
@@ -102,6 +103,8 @@ class ModelRunner:
         ctx = inputs.ctx
         logits = self.model.compute_logits(hidden[ctx.logits_indices])
         logits = logits if logits.dtype == torch.float64 else logits.float()
+        if sched.grammar_bitmask is not None:  # all-ones rows (unconstrained) change no bit; no constraint: no mask
+            apply_token_bitmask_(logits, self._grammar_bitmask(sched.grammar_bitmask))
         output = ModelRunnerOutput([r.request_id for r in scheduled], hidden_states=hidden,
                                    query_start_loc=ctx.query_start_loc_cpu)
         step = LaunchedStep(sched, logits, output, rows=rows, positions=positions, inputs=inputs, shift=shift)
@@ -109,7 +112,7 @@ class ModelRunner:
         for r in scheduled:  # rows [row, row + 1 + drafts) of the requests whose last chunk ran
             n = r.num_logits
             step.spans.append((row, n))
-            if n and r.params.logprobs is not None:  # of the raw logits (before min_tokens bans), as vLLM
+            if n and r.params.logprobs is not None:  # as vLLM: after the grammar mask, before min_tokens bans
                 step.raw[row] = torch.log_softmax(logits[row:row + n], dim=-1)
             num_banned_rows = min(n, r.params.min_tokens - r.num_output_tokens)  # row i: output token num_output + i
             banned = self._min_tokens_bans(r.params) if num_banned_rows > 0 else []
@@ -120,6 +123,10 @@ class ModelRunner:
         step.prompt_logprobs = queue_prompt_logprobs(self.model, hidden, scheduled, ctx.query_start_loc_cpu)
         self._record_done(step)
         return step
+
+    def _grammar_bitmask(self, host: torch.Tensor) -> torch.Tensor:
+        """The step's grammar mask on the device: the host's, copied once (not waited for)."""
+        return host.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else host
 
     def _min_tokens_bans(self, params: SamplingParams) -> list[int]:
         """Tokens a request may not emit before ``min_tokens``: its stop tokens, and EOS unless ``ignore_eos``."""
