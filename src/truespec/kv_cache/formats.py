@@ -13,7 +13,8 @@ At head_dim 128 that is 196 / 134 / 118 / 102 bytes for the four TurboQuant pres
 388 / 262 / 230 / 198 (bf16: 1024). The TurboQuant presets keep the first and last two attention layers of a
 dense model in the model dtype (``compressed_layers``); ``fp8`` compresses every attention layer, as in vLLM.
 ``KVFormat.encode`` / ``decode`` turn K/V into a slot's bytes and back: the store and read of the torch reference
-attention (layers/attention.py), which every compressed format runs today.
+attention (layers/attention.py: CPU and float64 models), which the Triton kernels (kernels/kv_store_packed.py,
+kernels/paged_attention_packed.py) must match.
 """
 
 from collections.abc import Sequence
