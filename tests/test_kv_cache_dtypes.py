@@ -94,3 +94,23 @@ def test_a_head_dim_a_format_cannot_store_is_named(tiny_models: dict[str, Path])
         out, llm = generate(tiny_models["qwen3"], random_prompts([5], seed=1), kv_cache_dtype=kv_cache_dtype)
         assert len(out[0]) == GREEDY.max_tokens
         assert_all_free(llm)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "turboquant_3bit_nc"])
+def test_sparse_v_rows_skip_alike_with_and_without_speculation(
+        hybrid_with_heads: dict[str, Path], kv_cache_dtype: str) -> None:
+    """Sparse-V (a large threshold so tiles are skipped; "auto" gated at 32 keys): a verify row skips the tiles its
+    decode row skips, so a mixed batch with chunked prefill, ngram and MTP gives the tokens of one request at a time
+    without speculation; threshold 0 gives the tokens of off."""
+    target = hybrid_with_heads["target"]
+    prompts = random_prompts([3, 40, 17, 9, 60], seed=5)
+    sparse = dict(kv_cache_dtype=kv_cache_dtype, sparse_v="auto", sparse_v_threshold=0.2, sparse_v_ctx_threshold=32)
+    reference, llm = generate(target, prompts, max_num_seqs=1, **sparse)
+    assert all(layer.sparse_v.min_keys == 32 for layer in llm.llm_engine.loaded.model.attention_layers())
+    off, _ = generate(target, prompts, kv_cache_dtype=kv_cache_dtype)
+    assert reference != off  # tiles really were skipped
+    for spec in (None, spec_config("ngram", 3, {}), spec_config("mtp", 2, {})):
+        out, _ = generate(target, prompts, speculative_config=spec, max_num_batched_tokens=16, **sparse)
+        assert out == reference, spec
+    zero, _ = generate(target, prompts, **(sparse | {"sparse_v": "on", "sparse_v_threshold": 0.0}))
+    assert zero == off
