@@ -61,3 +61,9 @@ class SchedulerOutput:
     # requests that finished or were aborted since the previous step: holders of per-request state (sampling
     # generators, drafter streams) drop it
     finished_req_ids: list[str] = field(default_factory=list)
+
+    @property
+    def is_decode_only(self) -> bool:
+        """Every request computes one sequence token (a decode, or a verify with its drafts): no prompt chunk, no
+        recompute after preemption."""
+        return all(r.num_new_tokens == 1 for r in self.scheduled)
