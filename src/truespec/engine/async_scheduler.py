@@ -34,7 +34,7 @@ from truespec.worker.model_runner import LaunchedStep, ModelRunner
 
 class AsyncScheduler:
     def __init__(self, scheduler: Scheduler, runner: ModelRunner, seqs: dict[str, Sequence], enabled: bool,
-                 drafter: ModelDrafter | None = None, num_drafts: Callable[[str], int] | None = None,
+                 drafter: ModelDrafter | None = None, num_drafts: Callable[[str, bool], int] | None = None,
                  may_draft: Callable[[], bool] | None = None) -> None:
         self.scheduler, self.runner, self.seqs = scheduler, runner, seqs
         # decodes queued ahead (without a proposer, or with one that need not see every step: ngram, only while
@@ -133,7 +133,7 @@ class AsyncScheduler:
             room = seq.max_output_len - len(seq.output_token_ids) - 1 - num_drafts_now  # if it accepts them all
             if room < 1 or seq.params.min_tokens > len(seq.output_token_ids):
                 return False  # it may finish at ``launched``, or its next rows may need min_tokens bans
-            num_drafts = min(self.num_drafts(seq.request_id), room - 1, k)
+            num_drafts = min(self.num_drafts(seq.request_id, True), room - 1, k)  # every request is greedy here
             start = seq.num_computed_tokens + 1  # as if ``launched`` accepts nothing; the device adds what it did
             plans.append((seq, start, num_drafts, start + num_drafts_now + 1 + num_drafts + self.drafter.k))
         if sum(1 + d for _, _, d, _ in plans) > self.scheduler.max_num_batched_tokens:

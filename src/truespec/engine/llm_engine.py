@@ -266,7 +266,8 @@ class LLMEngine:
             seq = self.seqs.get(r.request_id)
             if seq is None or seq.is_finished:
                 continue
-            num_drafts = self.num_drafts(r.request_id) if may_draft and output.sampled_token_ids[i] else 0
+            num_drafts = self.num_drafts(r.request_id, r.params.is_greedy) \
+                if may_draft and output.sampled_token_ids[i] else 0
             requests.append(DraftRequest(
                 r.request_id, r.params, seq.prompt_token_ids, seq.output_token_ids, r.num_computed_tokens,
                 seq.num_computed_tokens, i, r.block_ids, r.first_state_slot, num_drafts > 0,
@@ -287,7 +288,7 @@ class LLMEngine:
             seq = self.seqs.get(r.request_id)
             if seq is None or seq.is_finished or not output.sampled_token_ids[i]:
                 continue
-            num_drafts = min(self.num_drafts(r.request_id), self.scheduler.max_drafts(seq))
+            num_drafts = min(self.num_drafts(r.request_id, True), self.scheduler.max_drafts(seq))  # greedy steps
             seq.draft_token_ids, seq.draft_probs = next_ids[i][1:1 + num_drafts], None
 
     def _restart(self, sched: SchedulerOutput) -> None:
@@ -339,23 +340,26 @@ class LLMEngine:
 
 
 def _draft_gate(governor: SpeculationGovernor | None, scheduler: Scheduler,
-                disable_by_batch_size: int | None) -> Callable[[], bool]:
-    """``may_draft()``: whether the next step may draft at all: not when ``disable_by_batch_size`` requests or more
-    are running, nor when the governor has turned drafting off for this many (the drafters then only catch up)."""
-    def may_draft() -> bool:
+                disable_by_batch_size: int | None) -> Callable[..., bool]:
+    """``may_draft(is_greedy=True)``: whether a request's next step may draft at all: not when
+    ``disable_by_batch_size`` requests or more are running, nor, for a greedy request, when the governor has turned
+    drafting off for this many (the drafters then only catch up). A random request's drafts change which sample it
+    draws (not its distribution), so the governor leaves them alone: a seeded request stays reproducible and
+    independent of its batch and of timing."""
+    def may_draft(is_greedy: bool = True) -> bool:
         num_running = len(scheduler.running)
         if disable_by_batch_size is not None and num_running >= disable_by_batch_size:
             return False
-        return governor is None or governor.is_drafting(num_running)
+        return governor is None or not is_greedy or governor.is_drafting(num_running)
     return may_draft
 
 
 def _draft_counter(policy: DraftLengthPolicy, metrics: SpecDecodeMetrics,
-                   may_draft: Callable[[], bool]) -> Callable[[str], int]:
-    """``num_drafts(request_id)``: what the draft-length policy gives the request's next step (a step it skips is
-    counted), or 0 without asking it when the next step may not draft (``may_draft``)."""
-    def num_drafts(request_id: str) -> int:
-        if not may_draft():
+                   may_draft: Callable[..., bool]) -> Callable[[str, bool], int]:
+    """``num_drafts(request_id, is_greedy)``: what the draft-length policy gives the request's next step (a step it
+    skips is counted), or 0 without asking it when the request's next step may not draft (``may_draft``)."""
+    def num_drafts(request_id: str, is_greedy: bool) -> int:
+        if not may_draft(is_greedy):
             return 0
         count = policy.num_drafts(request_id)
         metrics.num_draft_skips += count == 0
