@@ -226,6 +226,17 @@ def test_steps_the_governor_turns_off_give_the_tokens_without_speculation(embedd
     assert info["num_free_blocks"] == info["num_blocks"] and info["num_free_state_slots"] == info["num_state_slots"]
 
 
+def test_ngram_steps_disabled_by_batch_size_are_queued_ahead(embedded: tuple) -> None:
+    """disable_by_batch_size gates drafting through the same ``may_draft``: with async scheduling, ngram's steps
+    that draft nothing are queued ahead as decodes, as without speculation."""
+    prompts, reference = embedded
+    llm = LLM(str(DEFAULT_MODEL_DIR), dtype="float64", device="cpu", max_model_len=2048, async_scheduling=True,
+              speculative_config=SPEC["ngram"] | {"disable_by_batch_size": 1})
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == reference
+    assert llm.get_metrics()["num_drafts"] == 0
+    assert llm.llm_engine.overlap.num_async_steps >= 0.5 * llm.get_metrics()["num_steps"]
+
+
 def test_random_requests_keep_drafting_so_seeded_ones_stay_reproducible(embedded: tuple) -> None:
     """A random request's drafts change which sample it draws (not its distribution): the governor gates only
     greedy requests, so seeded requests get the tokens they get with the governor off, whatever the timing."""
