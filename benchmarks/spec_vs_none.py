@@ -4,10 +4,12 @@ in the same process on the same card.
 
     python3 benchmarks/spec_vs_none.py [--batch-sizes 1 4 16 64] [--kind edit] [--max-tokens 128]
         [--methods none "ngram k=8" "mtp k=3" "mtp k=3 ahead" ...] [--json FILE] [--no-batch-invariant]
+        [--governors default auto off]
 
 At batch size b the engine runs ``max(2 b, --min-prompts)`` prompts with ``max_num_seqs = b`` (so b requests
-decode together, new ones joining as others finish); greedy, ignore_eos. One engine per method; each
-(method, b) gets one untimed warm-up generate first. Prints a markdown table last.
+decode together, new ones joining as others finish); greedy, ignore_eos. One engine per method (and per
+``--governors`` value: the speculation governor, spec_decode/governor.py; "default" leaves the key out); each
+(method, b) gets one untimed warm-up generate first (the governor measures in it too). Prints a markdown table last.
 """
 
 import argparse
@@ -54,7 +56,9 @@ def measure(llm: LLM, prompts: list[str], batch_size: int, max_tokens: int) -> d
             "ttft_ms": 1e3 * sum(o.metrics.time_to_first_token for o in outs) / len(outs),
             "tpot_ms": 1e3 * sum(tpots) / len(tpots), "accept_len": 1 + accepted / drafts if drafts else None,
             "steps_without_drafts": (after["num_steps_without_drafts"] - before["num_steps_without_drafts"]) / steps
-            if steps else None}
+            if steps else None,
+            "steps_drafting_off": (after["num_steps_drafting_off"] - before["num_steps_drafting_off"]) / steps
+            if steps else None, "governor_drafting": after["governor_drafting"]}
 
 
 def main() -> None:
@@ -67,13 +71,17 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--governors", nargs="+", default=["default"], choices=["default", "auto", "off"])
     args = parser.parse_args()
     rows = [json.loads(line) for line in PROMPTS.read_text().splitlines()]
     pool = [r["prompt"] for r in rows if r["kind"] == args.kind]
     results: dict[str, dict[int, dict]] = {}
-    for name in args.methods:
+    runs = [(name, g) for name in args.methods for g in (args.governors if METHODS[name] else ["default"])]
+    for method, governor in runs:
+        spec = METHODS[method] if governor == "default" else METHODS[method] | {"governor": governor}
+        name = method if governor == "default" else f"{method} governor={governor}"
         llm = LLM(dtype=args.dtype, device="cuda", max_model_len=2048, max_num_seqs=max(args.batch_sizes),
-                  speculative_config=METHODS[name], batch_invariant=args.batch_invariant, **ENGINE_KWARGS.get(name, {}))
+                  speculative_config=spec, batch_invariant=args.batch_invariant, **ENGINE_KWARGS.get(method, {}))
         results[name] = {}
         for b in args.batch_sizes:
             results[name][b] = r = measure(llm, pool[:max(2 * b, args.min_prompts)], b, args.max_tokens)

@@ -141,7 +141,7 @@ def test_cli_generate_prints_spec_metrics(tiny_models: dict[str, Path], tmp_path
     assert "num_drafts=" in err and "num_accepted_tokens=" in err and "mean_acceptance_length=" in err
     per_pos = err.split("acceptance rate per position:")[1].split("\n")[0].split()
     assert len(per_pos) == 3 and all(0 <= float(x) <= 1 for x in per_pos)
-    assert "steps=" in err and "steps_without_drafts=" in err and "draft_skips=" in err
+    assert "steps=" in err and "steps_without_drafts=" in err and "draft_skips=" in err and "steps_drafting_off=" in err
     assert cli_main(["generate", "--model", str(tiny_models["qwen3"]), *CLI_ENGINE, "--max-tokens", "2", "x"]) == 0
     assert "num_drafts" not in capsys.readouterr().err  # no speculation, no metrics
 

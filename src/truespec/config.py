@@ -127,6 +127,9 @@ DRAFT_LENGTHS = ("adaptive", "fixed")
 # adds a forward for each position after the first and an lm_head for every one, ~10-35% of a target step (an
 # EAGLE layer on a large target at the low end, MTP on Qwen3.5-0.8B with its 248k-token lm_head at the high end).
 DEFAULT_MIN_DRAFT_ACCEPTANCE = {"ngram": 0.1, "draft_model": 0.2, "mtp": 0.2, "eagle": 0.2}
+# "auto": per batch size, a step drafts only while drafting's measured throughput beats not drafting's
+# (spec_decode/governor.py); "off": steps always draft (as the draft length allows)
+GOVERNOR_MODES = ("auto", "off")
 
 
 @dataclass(frozen=True)
@@ -146,6 +149,8 @@ class SpeculativeConfig:
     draft_length: str = "adaptive"
     # adaptive: least chance that a drafted position is accepted with all before it (None: the method's default)
     min_draft_acceptance: float | None = None
+    # the speculation governor, one of GOVERNOR_MODES; None: "off" (opt-in until measured on a GPU: BENCHMARKS.md)
+    governor: str | None = None
 
     def __post_init__(self) -> None:
         check(self.method in SPEC_METHODS, "speculative_config.method",
@@ -164,6 +169,8 @@ class SpeculativeConfig:
         check(self.disable_by_batch_size is None or is_pos_int(self.disable_by_batch_size),
               "speculative_config.disable_by_batch_size", f"must be a positive int, got {self.disable_by_batch_size!r}")
         self._check_draft_length()
+        check(self.governor is None or self.governor in GOVERNOR_MODES, "speculative_config.governor",
+              f"must be one of {GOVERNOR_MODES} or None, got {self.governor!r}")
         needs_model = self.method in ("draft_model", "eagle")
         check(not needs_model or is_path(self.model), "speculative_config.model",
               f"is required for method {self.method!r} (the drafter's directory), got {self.model!r}")
@@ -195,7 +202,7 @@ class SpeculativeConfig:
         if not isinstance(d, dict):
             raise ValueError(f"speculative_config must be a dict, got {type(d).__name__}")
         known = {"method", "num_speculative_tokens", "model", "prompt_lookup_min", "prompt_lookup_max",
-                 "enforce_eager", "disable_by_batch_size", "draft_length", "min_draft_acceptance"}
+                 "enforce_eager", "disable_by_batch_size", "draft_length", "min_draft_acceptance", "governor"}
         unknown = sorted(set(d) - known)
         check(not unknown, "speculative_config", f"has unknown keys {unknown}; known: {sorted(known)}")
         check("method" in d and "num_speculative_tokens" in d, "speculative_config",

@@ -31,9 +31,9 @@ class LLM:
     def get_metrics(self) -> dict[str, object]:
         """Speculative-decoding counters since the engine was built: num_drafts, num_draft_tokens,
         num_accepted_tokens, num_accepted_tokens_per_pos, num_draft_tokens_per_pos, mean_acceptance_length
-        (= 1 + accepted / drafts), num_steps, num_steps_without_drafts, num_draft_skips (README, "Speculative
-        decoding")."""
-        return self.llm_engine.spec_metrics.as_dict()
+        (= 1 + accepted / drafts), num_steps, num_steps_without_drafts, num_draft_skips, and the governor's
+        num_steps_drafting_off and governor_drafting (README, "Speculative decoding")."""
+        return self.llm_engine.get_metrics()
 
     def generate(self, prompts: PromptType | Seq[PromptType],
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None,

@@ -64,3 +64,9 @@ class SchedulerOutput:
     # structured outputs: the grammar mask of each logits row, [rows, ceil(vocab / 32)] int32 on the host, set by
     # the engine after scheduling (structured_output/manager.py); None: no request of the step is constrained
     grammar_bitmask: Any = None
+
+    @property
+    def is_decode_only(self) -> bool:
+        """Every request computes one sequence token (a decode, or a verify with its drafts): no prompt chunk, no
+        recompute after preemption."""
+        return all(r.num_new_tokens == 1 for r in self.scheduled)

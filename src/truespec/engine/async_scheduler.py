@@ -6,12 +6,14 @@ next rows is built on the host from this step's tokens, so those steps run one a
 - **Decodes**: every request decodes greedily on, one token, without drafts, logprobs (of its output or of its
   prompt): step N+1's input ids are copied on the device from step N's argmax. What no token value changes is
   done ahead (positions, KV blocks, state slots); each request gets a placeholder token that the engine replaces
-  once N's tokens are read.
+  once N's tokens are read. With ngram, too, while the next step may not draft (the speculation governor turned
+  drafting off, or disable_by_batch_size): ngram indexes the skipped tokens when it drafts again.
 - **Verifies** (a drafter that drafts on the device: MTP, EAGLE): behind every greedy decode / verify step the
   drafter queues the step's accepted counts and each request's next token and k drafts on the device
-  (``ModelDrafter.draft_on_device``). Step N+1 is planned as if N accepts nothing; its blocks cover the case
-  where N accepts everything, and the device moves each request's positions, KV slots and state source by what N
-  accepted (``input_builder.shift_positions``) and feeds the next token and drafts. The host learns N+1's drafts
+  (``ModelDrafter.draft_on_device``; no drafts, only its catch-up, while the next steps may not draft). Step N+1
+  is planned as if N accepts nothing; its blocks cover the case where N accepts everything, and the device moves
+  each request's positions, KV slots and state source by what N accepted (``input_builder.shift_positions``) and
+  feeds the next token and drafts. The host learns N+1's drafts
   with its tokens, in the step's one read. The host work of N+1 and N+2 thus overlaps N's and N+1's forwards.
 A request that stops at N has its queued work discarded: the KV and state it wrote went to blocks and slots it
 held, and anything that reuses them later is queued after it on the same stream. Each request's rows are
@@ -33,13 +35,16 @@ from truespec.worker.model_runner import LaunchedStep, ModelRunner
 
 class AsyncScheduler:
     def __init__(self, scheduler: Scheduler, runner: ModelRunner, seqs: dict[str, Sequence], enabled: bool,
-                 drafter: ModelDrafter | None = None, num_drafts: Callable[[str], int] | None = None) -> None:
+                 drafter: ModelDrafter | None = None, num_drafts: Callable[[str, bool], int] | None = None,
+                 may_draft: Callable[[], bool] | None = None) -> None:
         self.scheduler, self.runner, self.seqs = scheduler, runner, seqs
-        self.enabled = enabled  # decodes queued ahead (only without a proposer: it drafts from the tokens)
+        # decodes queued ahead (without a proposer, or with one that need not see every step: ngram, only while
+        # ``may_draft`` says the next step drafts nothing)
+        self.enabled = enabled
         # verifies queued ahead, drafted on the device (None: never); ``num_drafts``: the drafts a request's
-        # next step verifies
+        # next step verifies; ``may_draft``: whether the next step may draft at all (None: no proposer)
         self.drafter = drafter if drafter is not None and drafter.can_draft_on_device else None
-        self.num_drafts = num_drafts
+        self.num_drafts, self.may_draft = num_drafts, may_draft
         self.inflight: LaunchedStep | None = None  # a queued step, collected by the next engine step
         self.num_async_steps = 0  # steps queued before the previous one's tokens were read
 
@@ -52,9 +57,11 @@ class AsyncScheduler:
         """Queue a step, and behind it the drafter's work on the device when every request of it is greedy."""
         step = self.runner.launch(sched, input_ids_from, shift)
         if self._drafts_on_device(sched, is_ahead=shift is not None):
+            # none while the next steps may not draft (the governor, disable_by_batch_size): only the catch-up
+            num_drafts = self.drafter.k if self.may_draft is None or self.may_draft() else 0
             step.device_drafts = self.drafter.draft_on_device(
                 step.rows, step.positions, step.output.hidden_states, step.argmax, step.inputs, shift,
-                sched.finished_req_ids)
+                sched.finished_req_ids, num_drafts)
         return step
 
     def launch_next(self, launched: LaunchedStep) -> str | None:
@@ -84,7 +91,7 @@ class AsyncScheduler:
         """The requests of ``launched`` if the next step can be planned now, else None."""
         sched = self.scheduler
         seqs = self._same_requests(launched) if self.enabled else None
-        if seqs is None:
+        if seqs is None or self.may_draft is not None and self.may_draft():
             return None
         blocks = 0
         for r, seq in zip(launched.sched.scheduled, seqs, strict=True):
@@ -123,21 +130,21 @@ class AsyncScheduler:
         seqs = self._same_requests(launched)
         if seqs is None:
             return False
-        k, plans = self.drafter.k, []
+        dd = launched.device_drafts
+        k, plans = dd.num_drafts, []  # k drafts, or none (drafted while drafting was off)
         for r, seq in zip(launched.sched.scheduled, seqs, strict=True):
             num_drafts_now = len(r.draft_token_ids)
             room = seq.max_output_len - len(seq.output_token_ids) - 1 - num_drafts_now  # if it accepts them all
             if room < 1 or seq.params.min_tokens > len(seq.output_token_ids):
                 return False  # it may finish at ``launched``, or its next rows may need min_tokens bans
-            num_drafts = min(self.num_drafts(seq.request_id), room - 1, k)
+            num_drafts = min(self.num_drafts(seq.request_id, True), room - 1, k)  # every request is greedy here
             start = seq.num_computed_tokens + 1  # as if ``launched`` accepts nothing; the device adds what it did
-            plans.append((seq, start, num_drafts, start + num_drafts_now + 1 + num_drafts + k))
+            plans.append((seq, start, num_drafts, start + num_drafts_now + 1 + num_drafts + self.drafter.k))
         if sum(1 + d for _, _, d, _ in plans) > self.scheduler.max_num_batched_tokens:
             return False
         out = self.scheduler.schedule_verify_ahead(plans)
         if out is None:
             return False
-        dd = launched.device_drafts
         counts = {d for _, _, d, _ in plans}
         if len(counts) == 1:  # each request takes its next token and the same number of drafts
             (num_drafts,) = counts

@@ -25,9 +25,11 @@ from truespec.outputs import RequestOutput
 from truespec.sampling_params import SamplingParams
 from truespec.spec_decode.device_drafts import DeviceDrafts
 from truespec.spec_decode.draft_length import DraftLengthPolicy
+from truespec.spec_decode.governor import SpeculationGovernor
 from truespec.spec_decode.interface import DraftRequest
 from truespec.spec_decode.metrics import SpecDecodeMetrics
 from truespec.spec_decode.model_drafter import ModelDrafter
+from truespec.spec_decode.ngram import NgramProposer
 from truespec.spec_decode.proposer import check_speculative_config, load_drafter, make_proposer, num_lookahead_tokens
 from truespec.structured_output.manager import StructuredOutputManager
 from truespec.tokenizer import load_tokenizer
@@ -83,10 +85,14 @@ class LLMEngine:
             self.proposer.graphs.warm_up(config.max_num_batched_tokens, num_blocks)
         self.spec_metrics = SpecDecodeMetrics(k)
         self.draft_length = DraftLengthPolicy(k, spec.min_draft_acceptance if spec is not None else None)
-        # the drafts a request's next step verifies (a closure, not a bound method: the async scheduler keeps it,
-        # and a reference back to the engine would keep a dropped engine's caches alive until the cycle collector)
-        self.num_drafts = _draft_counter(self.draft_length, self.spec_metrics, self.scheduler,
-                                         spec.disable_by_batch_size if spec is not None else None)
+        governs = spec is not None and spec.governor == "auto"
+        self.governor = SpeculationGovernor() if governs else None  # whether a step drafts at all, by measurement
+        # whether the next step may draft at all, and the drafts a request's next step verifies (closures, not bound
+        # methods: the async scheduler keeps them, and a reference back to the engine would keep a dropped engine's
+        # caches alive until the cycle collector)
+        self.may_draft = _draft_gate(self.governor, self.scheduler,
+                                     spec.disable_by_batch_size if spec is not None else None)
+        self.num_drafts = _draft_counter(self.draft_length, self.spec_metrics, self.may_draft)
         self.seqs: dict[str, Sequence] = {}
         self.parents = ParentRequests()  # requests with n > 1, whose children are in seqs
         self._ids = itertools.count()
@@ -95,9 +101,12 @@ class LLMEngine:
         # were measured slower than planning them on the host (BENCHMARKS.md, session 8)
         queue_verifies = config.async_scheduling is True and isinstance(self.proposer, ModelDrafter)
         drafter = self.proposer if queue_verifies else None
-        self.overlap = AsyncScheduler(self.scheduler, self.runner, self.seqs,
-                                      enabled=is_async and self.proposer is None, drafter=drafter,
-                                      num_drafts=self.num_drafts)
+        # decodes are queued ahead without a proposer, and with ngram for steps that draft nothing (it indexes the
+        # tokens it skipped when it drafts again; a model drafter must catch up on every step's hidden states)
+        queue_decodes = is_async and (self.proposer is None or isinstance(self.proposer, NgramProposer))
+        self.overlap = AsyncScheduler(self.scheduler, self.runner, self.seqs, enabled=queue_decodes, drafter=drafter,
+                                      num_drafts=self.num_drafts,
+                                      may_draft=self.may_draft if self.proposer is not None else None)
         # called after a request's tokens of a step are applied, with its number of accepted drafts (tests and
         # `truespec verify --debug-fault` observe or perturb the engine through these)
         self.update_hooks: list[Callable[[Sequence, int], None]] = []
@@ -199,6 +208,8 @@ class LLMEngine:
             else:
                 sched = launched.sched
             if not sched.scheduled:
+                if self.governor is not None:
+                    self.governor.pause()  # idle: the next step's interval is not its cost
                 return []
             try:
                 launched = launched or self.overlap.launch(sched)
@@ -206,13 +217,16 @@ class LLMEngine:
                 output = self.runner.collect(launched)
                 updated = self._update(sched.scheduled, output, provisional=ahead == "decode")
                 if launched.device_drafts is None:
-                    self._propose(sched, output)
+                    self._propose(sched, output, may_draft=ahead != "decode")
                 else:
                     self._take_device_drafts(sched, output, launched.device_drafts, is_queued=ahead == "verify")
             except BaseException:
                 self._restart(sched)
                 raise
             self.overlap.drop_if_finished()
+            if self.governor is not None:  # the step ends here: the governor times it
+                self.governor.observe_step(sum(map(len, output.sampled_token_ids)), len(sched.scheduled),
+                                           sched.is_decode_only)
         finally:
             self._stepping.release()
         outputs = [out for seq in updated if (out := self.output_processor.make_output(seq)) is not None]
@@ -257,9 +271,10 @@ class LLMEngine:
         self.spec_metrics.observe_step(has_drafts)
         return updated
 
-    def _propose(self, sched: SchedulerOutput, output: ModelRunnerOutput) -> None:
+    def _propose(self, sched: SchedulerOutput, output: ModelRunnerOutput, may_draft: bool) -> None:
         """Let the proposer catch up on the step and draft for the requests that got a new token (as many drafts as
-        the draft-length policy expects to pay for; none: the drafters only catch up on that request)."""
+        the draft-length policy expects to pay for; none: the drafters only catch up on that request). Not
+        ``may_draft``: the next step is already queued as a decode, nobody drafts."""
         if self.proposer is None:
             return
         self.draft_length.forget(sched.finished_req_ids)
@@ -268,7 +283,8 @@ class LLMEngine:
             seq = self.seqs.get(r.request_id)
             if seq is None or seq.is_finished:
                 continue
-            num_drafts = self.num_drafts(r.request_id) if output.sampled_token_ids[i] else 0
+            num_drafts = self.num_drafts(r.request_id, r.params.is_greedy) \
+                if may_draft and output.sampled_token_ids[i] else 0
             requests.append(DraftRequest(
                 r.request_id, r.params, seq.prompt_token_ids, seq.output_token_ids, r.num_computed_tokens,
                 seq.num_computed_tokens, i, r.block_ids, r.first_state_slot, num_drafts > 0,
@@ -289,7 +305,7 @@ class LLMEngine:
             seq = self.seqs.get(r.request_id)
             if seq is None or seq.is_finished or not output.sampled_token_ids[i]:
                 continue
-            num_drafts = min(self.num_drafts(r.request_id), self.scheduler.max_drafts(seq))
+            num_drafts = min(self.num_drafts(r.request_id, True), self.scheduler.max_drafts(seq))  # greedy steps
             seq.draft_token_ids, seq.draft_probs = next_ids[i][1:1 + num_drafts], None
 
     def _restart(self, sched: SchedulerOutput) -> None:
@@ -334,14 +350,33 @@ class LLMEngine:
     def cache_info(self) -> dict[str, int]:
         return self.kv.cache_info() | {"kv_bytes_per_token": self.runner.kv_bytes_per_token}
 
+    def get_metrics(self) -> dict[str, object]:
+        """The speculative-decoding counters and the governor's (README, "Speculative decoding")."""
+        governor = self.governor.as_dict() if self.governor is not None else SpeculationGovernor().as_dict()
+        return self.spec_metrics.as_dict() | governor
 
-def _draft_counter(policy: DraftLengthPolicy, metrics: SpecDecodeMetrics, scheduler: Scheduler,
-                   disable_by_batch_size: int | None) -> Callable[[str], int]:
-    """``num_drafts(request_id)``: what the draft-length policy gives the request's next step (a step it skips is
-    counted), or 0 without asking it when ``disable_by_batch_size`` requests or more are running (the drafters
-    then only catch up)."""
-    def num_drafts(request_id: str) -> int:
-        if disable_by_batch_size is not None and len(scheduler.running) >= disable_by_batch_size:
+
+def _draft_gate(governor: SpeculationGovernor | None, scheduler: Scheduler,
+                disable_by_batch_size: int | None) -> Callable[..., bool]:
+    """``may_draft(is_greedy=True)``: whether a request's next step may draft at all: not when
+    ``disable_by_batch_size`` requests or more are running, nor, for a greedy request, when the governor has turned
+    drafting off for this many (the drafters then only catch up). A random request's drafts change which sample it
+    draws (not its distribution), so the governor leaves them alone: a seeded request stays reproducible and
+    independent of its batch and of timing."""
+    def may_draft(is_greedy: bool = True) -> bool:
+        num_running = len(scheduler.running)
+        if disable_by_batch_size is not None and num_running >= disable_by_batch_size:
+            return False
+        return governor is None or not is_greedy or governor.is_drafting(num_running)
+    return may_draft
+
+
+def _draft_counter(policy: DraftLengthPolicy, metrics: SpecDecodeMetrics,
+                   may_draft: Callable[..., bool]) -> Callable[[str, bool], int]:
+    """``num_drafts(request_id, is_greedy)``: what the draft-length policy gives the request's next step (a step it
+    skips is counted), or 0 without asking it when the request's next step may not draft (``may_draft``)."""
+    def num_drafts(request_id: str, is_greedy: bool) -> int:
+        if not may_draft(is_greedy):
             return 0
         count = policy.num_drafts(request_id)
         metrics.num_draft_skips += count == 0

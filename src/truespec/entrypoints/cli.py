@@ -157,7 +157,7 @@ def format_spec_metrics(m: dict[str, object]) -> str:
             f"mean_acceptance_length={m['mean_acceptance_length']:.3f}\n"
             f"acceptance rate per position: {per_pos}\n"
             f"steps={m['num_steps']} steps_without_drafts={m['num_steps_without_drafts']} "
-            f"draft_skips={m['num_draft_skips']}")
+            f"draft_skips={m['num_draft_skips']} steps_drafting_off={m['num_steps_drafting_off']}")
 
 
 def _verify(args: argparse.Namespace) -> int:

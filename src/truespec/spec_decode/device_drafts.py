@@ -20,7 +20,11 @@ class DeviceDrafts:
     """What a step leaves on the device for the next one, per request of the step (in its order)."""
 
     num_accepted: torch.Tensor  # [R] int64: drafts the step accepted (how far the next step's positions move)
-    next_ids: torch.Tensor  # [R, 1 + k] int64: the request's next token, then the k drafts after it
+    next_ids: torch.Tensor  # [R, 1 + d] int64: the request's next token, then the d drafts after it (d = k or 0)
+
+    @property
+    def num_drafts(self) -> int:
+        return self.next_ids.shape[1] - 1
 
 
 def greedy_accepted(argmax: torch.Tensor, input_ids: torch.Tensor, query_start_loc: torch.Tensor,

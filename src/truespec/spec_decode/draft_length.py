@@ -22,6 +22,11 @@ and probing d + 1 rather than k were chosen in a simulation of constant and swit
 Everything is per request (a request's draft lengths depend on its own history, never on the batch, so its
 seeded random draws stay batch invariant) and plain Python: ``num_drafts`` is O(1), ``observe`` O(k).
 ``min_acceptance`` None never shortens a draft (``"draft_length": "fixed"``).
+
+The cost of a position here is a constant guess; what a step really costs depends on the batch (a verify of many
+requests x (1 + k) rows can be compute-bound where their decode is not) and on the device. Whether a step drafts
+at all is decided from measured step times by the speculation governor (governor.py); it asks this policy only
+for the steps it lets draft, so a request's history pauses while its batch size does not draft.
 """
 
 DECAY = 0.9  # weight an observation keeps per step the request takes

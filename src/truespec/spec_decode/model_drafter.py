@@ -93,8 +93,9 @@ class ModelDrafter:
     @torch.inference_mode()
     def draft_on_device(self, rows: list[ContextRow], positions: list[int], hidden: torch.Tensor,
                         argmax: torch.Tensor, inputs: StepInputs, shift: torch.Tensor | None,
-                        finished_req_ids: list[str]) -> DeviceDrafts:
-        """Queue a greedy step's acceptance, catch-up and k drafts per request on the device, nothing read back.
+                        finished_req_ids: list[str], num_drafts: int | None = None) -> DeviceDrafts:
+        """Queue a greedy step's acceptance, catch-up and ``num_drafts`` (k or 0; None: k) drafts per request on the
+        device, nothing read back.
 
         ``rows`` / ``positions``: the target step's, as the host built them (``shift``: how far the device moved
         them); ``hidden``, ``argmax`` [T] and ``inputs`` (ids, moved positions, metadata): the step's, on the
@@ -102,12 +103,14 @@ class ModelDrafter:
         to the last accepted draft that is the draft, then the next token; the rows after it write KV at positions
         the drafts overwrite before anything reads them. The same tokens as ``propose`` (tests/test_async_spec.py).
         A step whose requests all verify k drafts runs as one graph replay (``DraftChain``) where one is
-        captured."""
+        captured. 0 drafts (the next steps draft nothing): only the acceptance and the catch-up, which keeps the
+        drafter's cache whole for when drafting resumes."""
         for request_id in finished_req_ids:
             self._generators.pop(request_id, None)
+        num_drafts = self.k if num_drafts is None else num_drafts
         num_tokens, num_reqs, ctx = len(positions), len(rows), inputs.ctx
-        if self.chain is not None and self.chain.can_run(num_reqs, [row.query_len for row in rows],
-                                                         ctx.block_tables.shape[1]):
+        if num_drafts == self.k and self.chain is not None and \
+                self.chain.can_run(num_reqs, [row.query_len for row in rows], ctx.block_tables.shape[1]):
             return self.chain.run(argmax, inputs.input_ids, hidden, inputs.positions,
                                   ctx.query_start_loc[:num_reqs + 1], ctx.block_tables, num_tokens)
         query_start_loc = ctx.query_start_loc[:num_reqs + 1]
@@ -119,7 +122,7 @@ class ModelDrafter:
         hidden = out[query_start_loc[:-1] + num_accepted]  # [R, H]: at the last accepted position
         moved = num_accepted if shift is None else shift + num_accepted
         drafts: list[torch.Tensor] = []
-        for j in range(self.k):
+        for j in range(num_drafts):
             if j > 0:  # draft j at the position after the last accepted one + j (host: before the move)
                 step_rows = [ContextRow(row.block_ids, row.start + j, 1, -1, -1, 0, 0) for row in rows]
                 hidden, _ = self.graphs.run(step_rows, [0] * len(rows), [row.start + j for row in rows], hidden,

@@ -71,7 +71,7 @@ class NgramIndex:
         """Index the tokens ``r`` gained since the last call (any number: it may have skipped steps). False, and
         nothing done, unless ``r`` is the indexed request (the same lists) and still starts with the indexed
         tokens: no fewer, the last one unchanged. O(1), so a token changed further back would go unseen: the engine
-        only appends (async scheduling's placeholder, appended and popped last, runs without a proposer)."""
+        only appends (async scheduling's placeholder is replaced by the real token before any proposer runs)."""
         prompt, output, token_ids = r.prompt_token_ids, r.output_token_ids, self.token_ids
         num_indexed, prompt_len = len(token_ids), len(prompt)
         if prompt is not self.prompt_token_ids or output is not self.output_token_ids \

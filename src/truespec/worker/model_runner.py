@@ -97,8 +97,7 @@ class ModelRunner:
             self._generators.pop(request_id, None)
         scheduled = sched.scheduled
         rows, input_ids, positions = self.prepare(scheduled)
-        decode_only = all(r.num_new_tokens == 1 for r in scheduled)
-        hidden, inputs = self.graphs.run(rows, input_ids, positions, decode_only=decode_only,
+        hidden, inputs = self.graphs.run(rows, input_ids, positions, decode_only=sched.is_decode_only,
                                          input_ids_from=input_ids_from, shift=shift)
         ctx = inputs.ctx
         logits = self.model.compute_logits(hidden[ctx.logits_indices])

@@ -1,0 +1,172 @@
+"""Whether a step drafts at all: the speculation governor, from measured throughput.
+
+The draft-length policy (draft_length.py) sizes each request's drafts from its acceptance, at a fixed guessed cost
+per drafted position. What a step really costs depends on the batch: a verify of 64 x 9 rows is compute-bound where
+a 64-row decode is not, and on a small launch-bound target a drafter step can cost more than the tokens it saves.
+So the governor measures. After each step the engine reports its wall time (from the end of the previous step:
+with async scheduling steps overlap, and the interval between step completions is what each one costs), the tokens
+it emitted and its number of requests; the governor keeps, per batch-size bucket, decayed estimates of tokens per
+request-second with drafting on and with drafting off, and lets a bucket's steps draft only while that pays.
+
+- Buckets are powers of two of the running requests (1, 2-3, 4-7, ...): whether drafting pays moves with the
+  batch's scale (memory-bound decode -> compute-bound verify), not with one request more or less; doubling buckets
+  keep them few (9 up to 256 requests), so each is measured often. Within a bucket, rates are per request (tokens
+  / (requests x seconds)): where a step's time hardly depends on the batch (memory-bound), that compares samples of
+  different sizes fairly; where it grows with the batch, samples of different sizes differ by up to their size
+  ratio (under 2 in a bucket); the decay keeps both estimates recent, so mostly measured at similar sizes.
+- A sample counts only when the step and both its neighbours ran in the same bucket and mode: a step's interval
+  holds its own verify and the drafting for the next one (or, queued ahead, the previous step's tail), so the
+  steps beside a switch mix both modes. Steps with a prefill chunk (or a preempted request's recompute) are not
+  counted either: their time is the prefill's.
+- A bucket not measured yet drafts (as configured: a bucket whose steps all hold prefill chunks is never
+  measured). Its first counted samples give each mode a first estimate (2 samples each, drafting first); from then
+  on the bucket keeps the mode it chose, and measures the other for ``EXPLORE_STEPS`` counted samples (2 if it is
+  clearly ahead or behind: ``CLEAR_LOSS``) every ``interval`` x (how many times longer its steps take, 1 to 4)
+  counted samples. The other takes over if it is ``MARGIN`` faster, or when the chosen mode's estimate falls
+  ``MARGIN`` below its own. The interval starts at 32 (128 after a clear loss) and doubles while the other keeps
+  losing (x4 on a clear loss), up to 256. So measuring a losing mode costs a few % of the time
+  (``benchmarks/governor_sim.py``: within 5% of the better fixed mode over 3000 steps, 13% over 300, when
+  drafting runs at 0.21x to 2.3x the speed of not drafting), and a regime change (acceptance rises, a batch that
+  is no longer compute-bound) is found within 1024 counted steps. Estimates decay per counted sample of the
+  bucket (x0.9), so a measurement taken long ago speaks only for itself.
+
+The governor only gates: when a bucket drafts, each request's draft length still comes from draft_length.py;
+when it does not, every greedy request of the step drafts nothing (the drafters still catch up). A greedy token
+never depends on drafts, so the governor changes no token. A random request's drafts change which sample it draws
+(not the distribution), so it is not gated: a seeded request stays reproducible and independent of its batch and of
+timing (llm_engine._draft_gate). Plain Python; the clock is injected (tests feed synthetic step times).
+"""
+
+import time
+from collections.abc import Callable
+
+DECAY = 0.9  # weight a sample keeps per later counted sample of its bucket
+MARGIN = 0.03  # the mode in use keeps its place unless the other is this much faster
+EXPLORE_STEPS = 4  # counted samples of a mode per measurement
+CLEAR_LOSS, CLEAR_LOSS_STEPS = 0.8, 2  # a measurement ends after 2 samples if this far behind (or 1/0.8 ahead)
+EXPLORE_INTERVAL_MIN, EXPLORE_INTERVAL_MAX = 32, 256  # counted samples between two measurements of the other mode
+MAX_COST_RATIO = 4  # ... times how many times longer its steps take (at most this): measuring costs less time
+
+Decision = tuple[int, bool]  # (bucket, drafting) given to a step
+
+
+def bucket_of(num_requests: int) -> int:
+    """0 for 1 request, 1 for 2-3, 2 for 4-7, ..."""
+    return max(num_requests, 1).bit_length() - 1
+
+
+def bucket_name(bucket: int) -> str:
+    lo, hi = 1 << bucket, (2 << bucket) - 1
+    return f"{lo}" if lo == hi else f"{lo}-{hi}"
+
+
+class _Bucket:
+    __slots__ = ("mode", "chosen", "tokens", "seconds", "weights", "seen_at", "step", "run", "since", "interval")
+
+    def __init__(self) -> None:
+        self.mode = self.chosen = True  # drafting now; the mode chosen (they differ while the other is measured)
+        self.tokens, self.seconds = [0.0, 0.0], [0.0, 0.0]  # decayed tokens and request-seconds, by drafting
+        self.weights = [0.0, 0.0]  # decayed number of samples
+        self.seen_at = [0, 0]  # the step of the bucket at which each mode's estimate was last updated
+        self.step = 0  # counted samples of the bucket
+        self.run = 0  # counted samples of the current mode since it began
+        self.since = 0  # counted samples of the chosen mode since the other was last measured
+        self.interval = EXPLORE_INTERVAL_MIN
+
+    def add(self, mode: bool, num_tokens: int, request_seconds: float) -> None:
+        w = DECAY ** (self.step - self.seen_at[mode])
+        self.tokens[mode] = self.tokens[mode] * w + num_tokens
+        self.seconds[mode] = self.seconds[mode] * w + request_seconds
+        self.weights[mode] = self.weights[mode] * w + 1.0
+        self.seen_at[mode], self.step = self.step, self.step + 1
+
+    def rate(self, mode: bool) -> float:
+        """Tokens per request-second."""
+        return self.tokens[mode] / self.seconds[mode]
+
+    def cost_ratio(self, mode: bool) -> float:
+        """How many steps of the other mode one step of ``mode`` takes, 1 to MAX_COST_RATIO."""
+        ratio = self.seconds[mode] / self.weights[mode] * self.weights[not mode] / self.seconds[not mode]
+        return min(max(ratio, 1.0), MAX_COST_RATIO)
+
+    def switch(self, mode: bool) -> None:
+        self.mode, self.run = mode, 0
+
+
+class SpeculationGovernor:
+    """Per batch-size bucket, drafting on or off by measured throughput (the module docstring says how)."""
+
+    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
+        self.clock = clock
+        self._buckets: dict[int, _Bucket] = {}
+        self._last_end: float | None = None  # when the previous step ended (None: unknown, after an idle engine)
+        # the decisions given to the previous step, the step now reported and the step after it
+        self._prev: Decision | None = None
+        self._cur: Decision | None = None
+        self._next: Decision | None = None
+        self.num_steps_off = 0  # steps the governor turned drafting off for
+
+    def is_drafting(self, num_running: int) -> bool:
+        """Whether the next step drafts, with ``num_running`` requests running. The same answer until the next
+        ``observe_step``: the engine asks it (per request) while planning the step after the one it reports next."""
+        bucket = bucket_of(num_running)
+        b = self._buckets.get(bucket)
+        mode = b is None or b.mode  # a bucket not measured yet drafts (as configured)
+        self._next = (bucket, mode)
+        return mode
+
+    def observe_step(self, num_tokens: int, num_requests: int, is_decode_only: bool) -> None:
+        """A step ended now: it emitted ``num_tokens`` over its ``num_requests`` requests; ``is_decode_only``: no
+        request of it computed a prompt chunk (or recomputed after preemption)."""
+        now, last = self.clock(), self._last_end
+        self._last_end = now
+        prev, cur, nxt = self._prev, self._cur, self._next
+        self._prev, self._cur, self._next = cur, nxt, None
+        if cur is not None and not cur[1]:
+            self.num_steps_off += 1
+        if last is None or now <= last or not is_decode_only or cur is None or not prev == cur == nxt \
+                or bucket_of(num_requests) != cur[0]:
+            return
+        self._learn(cur[0], cur[1], num_tokens, num_requests * (now - last))
+
+    def pause(self) -> None:
+        """The engine had nothing to run: the next step's interval is not its cost."""
+        self._last_end = None
+
+    def _learn(self, bucket: int, mode: bool, num_tokens: int, request_seconds: float) -> None:
+        b = self._buckets.get(bucket)
+        if b is None:
+            b = self._buckets[bucket] = _Bucket()
+        if mode != b.mode:  # cannot happen (a switch drops the steps beside it); never learn from it
+            return
+        b.add(mode, num_tokens, request_seconds)
+        b.run += 1
+        other = not mode
+        if mode != b.chosen:  # measuring the other mode: it takes over only if clearly faster
+            ratio = b.rate(mode) / b.rate(other)
+            is_clear = b.run >= CLEAR_LOSS_STEPS and not CLEAR_LOSS <= ratio <= 1 / CLEAR_LOSS
+            if b.run >= EXPLORE_STEPS or is_clear:
+                b.since = 0
+                if ratio > 1 + MARGIN:  # the loser is measured again soon, later if it lost clearly
+                    b.chosen, b.interval = mode, EXPLORE_INTERVAL_MIN * (4 if is_clear else 1)
+                else:
+                    b.interval = min((4 if is_clear else 2) * b.interval, EXPLORE_INTERVAL_MAX)
+                    b.switch(other)
+            return
+        b.since += 1
+        if not b.weights[other]:  # a new bucket: a first estimate of each mode, then their measurements decide
+            if b.run >= CLEAR_LOSS_STEPS:
+                b.switch(other)
+            return
+        if b.run < EXPLORE_STEPS:
+            return
+        if b.since >= b.interval * b.cost_ratio(other):  # measure the other mode
+            b.switch(other)
+        elif b.rate(mode) * (1 + MARGIN) < b.rate(other):  # the chosen mode fell behind
+            b.chosen, b.since, b.interval = other, 0, EXPLORE_INTERVAL_MIN
+            b.switch(other)
+
+    def as_dict(self) -> dict[str, object]:
+        """Metrics: ``num_steps_drafting_off`` and, per bucket measured, whether it chose drafting."""
+        return {"num_steps_drafting_off": self.num_steps_off,
+                "governor_drafting": {bucket_name(k): b.chosen for k, b in sorted(self._buckets.items())}}

@@ -1,0 +1,287 @@
+"""The speculation governor (spec_decode/governor.py): per batch-size bucket, a step drafts only while drafting's
+measured throughput beats not drafting's; it explores the other mode now and then, so a regime change brings
+drafting back; prefill steps and idle gaps are not measured. In the engine it only gates drafts, so the tokens are
+those without speculation and those with the governor off, with ngram and MTP, host-planned and queued ahead."""
+
+import json
+import random
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from truespec import LLM, SamplingParams
+from truespec.assets import DEFAULT_MODEL_DIR
+from truespec.config import SpeculativeConfig
+from truespec.spec_decode.governor import (
+    EXPLORE_INTERVAL_MAX,
+    EXPLORE_STEPS,
+    SpeculationGovernor,
+    bucket_name,
+    bucket_of,
+)
+
+Cost = Callable[[int, bool], tuple[float, float]]  # (step, drafting) -> (seconds, tokens per request)
+
+
+def pays(step: int, drafting: bool) -> tuple[float, float]:
+    return (1.3, 2.6) if drafting else (1.0, 1.0)  # 2x the tokens per second
+
+
+def loses(step: int, drafting: bool) -> tuple[float, float]:
+    return (1.5, 1.05) if drafting else (1.0, 1.0)  # 0.7x: a compute-bound verify
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Steps:
+    """Drives a governor as the engine does: the decision it gives while a step runs (the engine plans the next
+    step before the governor hears of this one) applies to the next step."""
+
+    def __init__(self) -> None:
+        self.clock = Clock()
+        self.governor = SpeculationGovernor(self.clock)
+        self.drafting = False  # the first step (a prefill in the engine): nobody asked before it
+        self.num_steps = 0
+
+    def run(self, n: int, cost: Cost, num_requests: int = 8, is_decode_only: bool = True) -> list[bool]:
+        """Run ``n`` steps; whether each drafted."""
+        modes = []
+        for _ in range(n):
+            drafting, self.drafting = self.drafting, self.governor.is_drafting(num_requests)
+            seconds, tokens = cost(self.num_steps, drafting)
+            self.clock.now += seconds
+            self.governor.observe_step(round(tokens * num_requests), num_requests, is_decode_only)
+            modes.append(drafting)
+            self.num_steps += 1
+        return modes
+
+
+def runs(modes: list[bool], value: bool) -> list[int]:
+    """Lengths of the runs of ``value`` in ``modes``."""
+    lengths, n = [], 0
+    for m in [*modes, not value]:
+        if m == value:
+            n += 1
+        elif n:
+            lengths.append(n)
+            n = 0
+    return lengths
+
+
+def test_buckets_are_powers_of_two_of_the_running_requests() -> None:
+    assert [bucket_of(n) for n in (1, 2, 3, 4, 7, 8, 64, 127, 128)] == [0, 1, 1, 2, 2, 3, 6, 6, 7]
+    assert [bucket_name(b) for b in (0, 1, 6)] == ["1", "2-3", "64-127"]
+
+
+def test_slower_drafting_is_turned_off_soon_and_stays_mostly_off() -> None:
+    steps = Steps()
+    modes = steps.run(2000, loses)
+    # after the first step (no decision: a prefill in the engine), a new bucket drafts, then measures not drafting
+    assert modes[1] and runs(modes, True)[0] <= EXPLORE_STEPS + 2, modes[:20]
+    assert sum(modes) <= 0.05 * len(modes), sum(modes)  # exploring costs a few % of the steps
+    assert max(runs(modes, True)) <= EXPLORE_STEPS + 2  # each exploration is short
+    late = modes[1000:]
+    assert sum(late) <= 0.03 * len(late)  # ... and rarer as drafting keeps losing
+    # the first step ran before any decision (in the engine, a prefill)
+    assert steps.governor.as_dict() == {"num_steps_drafting_off": len(modes) - sum(modes) - 1,
+                                        "governor_drafting": {"8-15": False}}
+
+
+def test_paying_drafting_stays_on_apart_from_exploration() -> None:
+    modes = Steps().run(2000, pays)
+    modes = modes[1:]  # the first step: no decision (a prefill in the engine)
+    assert sum(not m for m in modes) <= 0.05 * len(modes)
+    assert max(runs(modes, False)) <= EXPLORE_STEPS + 2  # off only while not drafting is measured
+    gaps = runs(modes[100:], True)
+    assert min(gaps[:-1]) >= 32 and max(gaps) <= EXPLORE_INTERVAL_MAX + EXPLORE_STEPS + 4, gaps
+
+
+@pytest.mark.parametrize("noise", [0.05, 0.15])
+def test_noisy_step_times_still_pick_the_faster_mode(noise: float) -> None:
+    """Step times jittering by 5-15% (a shared GPU, host hiccups) with drafting 2x or 0.7x."""
+    rng = random.Random(0)
+
+    def noisy(cost: Cost) -> Cost:
+        return lambda i, d: (cost(i, d)[0] * (1 + noise * rng.gauss(0, 1)), cost(i, d)[1])
+
+    assert sum(Steps().run(2000, noisy(pays))) >= 0.9 * 2000
+    assert sum(Steps().run(2000, noisy(loses))) <= 0.1 * 2000
+
+
+def test_drafting_comes_back_within_the_exploration_cap_when_it_starts_paying() -> None:
+    steps = Steps()
+    steps.run(3000, loses)  # long enough for the exploration interval to reach its cap
+    modes = steps.run(1000, pays)
+    back = next(i for i in range(len(modes)) if all(modes[i:i + 100]))
+    # drafting's steps took 1.5x as long: it is re-measured every 1.5 x 256 counted steps at most
+    assert back <= 1.5 * EXPLORE_INTERVAL_MAX + 2 * EXPLORE_STEPS + 4, back
+    assert all(modes[back:back + 100]) and sum(modes[back:]) >= 0.95 * len(modes[back:])
+
+
+def test_drafting_stops_soon_when_it_stops_paying() -> None:
+    """The mode in use falls behind the other's estimate: no need to wait for an exploration."""
+    steps = Steps()
+    steps.run(3000, pays)
+    modes = steps.run(300, loses)
+    # its estimate, decayed x0.9 per sample, falls from 2x to below the other's (0.97x: the margin) in 14 samples
+    assert modes.index(False) <= 14 + 3 and sum(modes) <= 0.1 * len(modes)
+
+
+def test_batch_size_buckets_are_independent() -> None:
+    """Drafting pays for 1 request and loses for 64: each bucket finds its own mode."""
+    steps, small, large = Steps(), [], []
+    for _ in range(40):
+        small += steps.run(50, pays, num_requests=1)
+        large += steps.run(50, loses, num_requests=64)
+    assert sum(small) >= 0.9 * len(small) and sum(large) <= 0.1 * len(large)
+    assert steps.governor.as_dict()["governor_drafting"] == {"1": True, "64-127": False}
+
+
+def test_prefill_steps_and_idle_gaps_are_not_measured() -> None:
+    """Drafting pays, but every step with a prefill chunk takes 100 s and every idle gap 1000 s, all while
+    drafting: counted, they would turn drafting off."""
+    steps = Steps()
+    steps.run(50, lambda i, d: (100.0, 1.0) if d else (1.0, 1.0), is_decode_only=False)
+    assert steps.governor.as_dict()["governor_drafting"] == {}  # nothing learned
+    modes = []
+    for _ in range(40):
+        modes += steps.run(20, pays)
+        modes += steps.run(1, lambda i, d: (100.0, 0.1) if d else (1.0, 1.0), is_decode_only=False)
+        steps.governor.pause()  # the engine had nothing to run
+        steps.clock.now += 1000.0
+    assert sum(modes) >= 0.9 * len(modes)
+
+
+def test_governor_config_is_validated() -> None:
+    assert SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 2}).governor is None
+    for value in ("auto", "off"):
+        assert SpeculativeConfig("ngram", 2, governor=value).governor == value
+    with pytest.raises(ValueError, match="speculative_config.governor"):
+        SpeculativeConfig("ngram", 2, governor="on")
+
+
+# ---- engine ----------------------------------------------------------------------------------------------------
+
+PROMPTS = Path(__file__).resolve().parents[1] / "benchmarks" / "prompts" / "heldout.jsonl"
+GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+SPEC = {"ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2},
+        "mtp": {"method": "mtp", "num_speculative_tokens": 3}}
+
+
+@pytest.fixture(scope="module")
+def embedded() -> tuple[list[str], list[list[int]]]:
+    """Four held-out prompts and the embedded model's greedy tokens for each, without speculation."""
+    rows = [json.loads(line) for line in PROMPTS.read_text().splitlines()]
+    prompts = [p for kind in ("edit", "chat") for p in [r["prompt"] for r in rows if r["kind"] == kind][:2]]
+    base = LLM(str(DEFAULT_MODEL_DIR), dtype="float64", device="cpu", max_model_len=2048)
+    return prompts, [o.outputs[0].token_ids for o in base.generate(prompts, GREEDY, use_tqdm=False)]
+
+
+def spec_llm(method: str, governor: str, async_scheduling: bool) -> LLM:
+    return LLM(str(DEFAULT_MODEL_DIR), dtype="float64", device="cpu", max_model_len=2048,
+               async_scheduling=async_scheduling, speculative_config=SPEC[method] | {"governor": governor})
+
+
+class SlowDrafts:
+    """A clock for the governor in which a step takes 1 s plus 1 s per draft token it verified."""
+
+    def __init__(self, llm: LLM) -> None:
+        self.metrics, self.now, self.seen = llm.llm_engine.spec_metrics, 0.0, 0
+
+    def __call__(self) -> float:
+        drafted, self.seen = self.metrics.num_draft_tokens - self.seen, self.metrics.num_draft_tokens
+        self.now += 1.0 + drafted
+        return self.now
+
+
+@pytest.mark.parametrize("method, async_scheduling", [("ngram", False), ("ngram", True), ("mtp", False),
+                                                      ("mtp", True)])
+def test_steps_the_governor_turns_off_give_the_tokens_without_speculation(embedded: tuple, method: str,
+                                                                          async_scheduling: bool) -> None:
+    """Drafting looks slow, so the governor turns it off after measuring both modes: the tokens are those without
+    speculation and with the governor off. Queued ahead, the off steps are queued as decodes (ngram) or as
+    verifies of no drafts with only the drafter's catch-up behind them (MTP)."""
+    prompts, reference = embedded
+    off = spec_llm(method, "off", async_scheduling)
+    assert off.llm_engine.governor is None
+    assert [o.outputs[0].token_ids for o in off.generate(prompts, GREEDY, use_tqdm=False)] == reference
+    llm = spec_llm(method, "auto", async_scheduling)
+    llm.llm_engine.governor.clock = SlowDrafts(llm)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == reference
+    m, m_off = llm.get_metrics(), off.get_metrics()
+    assert m["num_drafts"] > 0 and m["num_steps_drafting_off"] >= 0.5 * m["num_steps"], m
+    assert m["num_steps_without_drafts"] >= m["num_steps_drafting_off"] > m_off["num_steps_without_drafts"]
+    # all four requests decode together (4-7); fewer run at the end, not long enough to leave their first measurement
+    assert m["governor_drafting"]["4-7"] is False and m_off["num_steps_drafting_off"] == 0
+    if async_scheduling:  # off steps were queued ahead (ngram never queues a step it may draft for)
+        assert llm.llm_engine.overlap.num_async_steps >= 0.3 * m["num_steps"]
+    info = llm.cache_info()
+    assert info["num_free_blocks"] == info["num_blocks"] and info["num_free_state_slots"] == info["num_state_slots"]
+
+
+def test_ngram_steps_disabled_by_batch_size_are_queued_ahead(embedded: tuple) -> None:
+    """disable_by_batch_size gates drafting through the same ``may_draft``: with async scheduling, ngram's steps
+    that draft nothing are queued ahead as decodes, as without speculation."""
+    prompts, reference = embedded
+    llm = LLM(str(DEFAULT_MODEL_DIR), dtype="float64", device="cpu", max_model_len=2048, async_scheduling=True,
+              speculative_config=SPEC["ngram"] | {"disable_by_batch_size": 1})
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == reference
+    assert llm.get_metrics()["num_drafts"] == 0
+    assert llm.llm_engine.overlap.num_async_steps >= 0.5 * llm.get_metrics()["num_steps"]
+
+
+def test_random_requests_keep_drafting_so_seeded_ones_stay_reproducible(embedded: tuple) -> None:
+    """A random request's drafts change which sample it draws (not its distribution): the governor gates only
+    greedy requests, so seeded requests get the tokens they get with the governor off, whatever the timing."""
+    prompts, reference = embedded
+    params = [GREEDY, SamplingParams(temperature=0.8, seed=7, max_tokens=40, ignore_eos=True), GREEDY,
+              SamplingParams(temperature=1.0, top_p=0.9, seed=8, max_tokens=40, ignore_eos=True)]
+    off = spec_llm("ngram", "off", async_scheduling=False)
+    expected = [o.outputs[0].token_ids for o in off.generate(prompts, params, use_tqdm=False)]
+    assert expected[0] == reference[0] and expected[2] == reference[2]
+    llm = spec_llm("ngram", "auto", async_scheduling=False)
+    llm.llm_engine.governor.clock = SlowDrafts(llm)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == expected
+    m = llm.get_metrics()
+    # the greedy requests stopped drafting; in some of those steps the random ones still verified drafts
+    assert 0 < m["num_steps_without_drafts"] < m["num_steps_drafting_off"], m
+
+
+def flip_every(governor: SpeculationGovernor, n: int) -> None:
+    """Make the governor's decisions alternate every ``n`` steps (as it decides: the same until a step ends)."""
+    observed = [0]
+    observe_step = governor.observe_step
+
+    def counting(*args: object) -> None:
+        observed[0] += 1
+        observe_step(*args)
+
+    governor.observe_step = counting
+    governor.is_drafting = lambda num_running: observed[0] // n % 2 == 0
+
+
+@pytest.mark.parametrize("method", ["ngram", "mtp"])
+def test_drafting_switched_on_and_off_every_few_steps_keeps_the_tokens(embedded: tuple, method: str) -> None:
+    """Queued ahead, every kind of hand-over: a queued decode followed by a host-planned verify (ngram), device
+    drafts of none followed by a step that may draft, and back; with stops, min_tokens and short max_tokens."""
+    prompts, reference = embedded
+    params = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop_token_ids=[reference[0][13]]),
+              SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, min_tokens=9),
+              SamplingParams(temperature=0, max_tokens=7, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)]
+    expected = [reference[0][:reference[0].index(reference[0][13]) + 1], reference[1], reference[2][:7],
+                reference[3]]
+    for n in (1, 3):
+        llm = spec_llm(method, "auto", async_scheduling=True)
+        flip_every(llm.llm_engine.governor, n)
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == expected, n
+        m = llm.get_metrics()
+        assert m["num_drafts"] > 0 and m["num_steps_without_drafts"] > 0
+        assert llm.llm_engine.overlap.num_async_steps > 0 and llm.llm_engine.overlap.inflight is None
