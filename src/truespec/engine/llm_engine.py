@@ -1,6 +1,5 @@
 """The engine: validate and add requests, then step: schedule -> run -> process outputs -> propose drafts."""
 
-import itertools
 import threading
 import time
 from collections.abc import Callable
@@ -12,8 +11,10 @@ from truespec.core.scheduler import Scheduler
 from truespec.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from truespec.core.sequence import PLACEHOLDER, Sequence
 from truespec.engine.async_scheduler import AsyncScheduler
+from truespec.engine.draft_gate import draft_counter, draft_gate
+from truespec.engine.input_processor import InputProcessor, PromptType, Request
 from truespec.engine.output_processor import OutputProcessor
-from truespec.engine.parallel_sampling import ParentRequest, ParentRequests
+from truespec.engine.parallel_sampling import ParentRequests
 from truespec.engine.stop_checker import StopChecker
 from truespec.kv_cache.config import CacheConfig
 from truespec.kv_cache.layout import set_sparse_v
@@ -36,9 +37,6 @@ from truespec.tokenizer import load_tokenizer
 from truespec.worker.graph_runner import GraphSettings
 from truespec.worker.model_runner import ModelRunner
 from truespec.worker.runner_output import ModelRunnerOutput
-
-PromptType = str | dict
-Request = Sequence | ParentRequest  # what make_request builds: one sequence, or n > 1 children under a parent
 
 
 class LLMEngine:
@@ -90,12 +88,13 @@ class LLMEngine:
         # whether the next step may draft at all, and the drafts a request's next step verifies (closures, not bound
         # methods: the async scheduler keeps them, and a reference back to the engine would keep a dropped engine's
         # caches alive until the cycle collector)
-        self.may_draft = _draft_gate(self.governor, self.scheduler,
+        self.may_draft = draft_gate(self.governor, self.scheduler,
                                      spec.disable_by_batch_size if spec is not None else None)
-        self.num_drafts = _draft_counter(self.draft_length, self.spec_metrics, self.may_draft)
+        self.num_drafts = draft_counter(self.draft_length, self.spec_metrics, self.may_draft)
         self.seqs: dict[str, Sequence] = {}
         self.parents = ParentRequests()  # requests with n > 1, whose children are in seqs
-        self._ids = itertools.count()
+        self.input_processor = InputProcessor(self.tokenizer, self.max_model_len, self.vocab_size,
+                                              self.structured_outputs)
         is_async = config.async_scheduling if config.async_scheduling is not None else self.device.type == "cuda"
         # speculative steps are queued ahead only when asked for (async_scheduling=True): on the embedded model they
         # were measured slower than planning them on the host (BENCHMARKS.md, session 8)
@@ -123,37 +122,12 @@ class LLMEngine:
     # ---- requests ------------------------------------------------------------------------------
     def make_sequence(self, prompt: PromptType, params: SamplingParams) -> Sequence:
         """Validate one request and build its Sequence, without touching engine state."""
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
-        text, token_ids = self._tokenize(prompt)
-        if not token_ids:
-            raise ValueError("prompt is empty: it must contain at least one token")
-        if len(token_ids) >= self.max_model_len:
-            raise ValueError(f"prompt has {len(token_ids)} tokens, but max_model_len is "
-                             f"{self.max_model_len} (the prompt must leave room for one output token)")
-        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"prompt_token_ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
-        if params.stop and self.tokenizer is None:
-            raise ValueError("SamplingParams.stop needs a tokenizer, and this engine has skip_tokenizer_init=True: "
-                             "use stop_token_ids")
-        bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
-        if bad:
-            raise ValueError(f"SamplingParams.stop_token_ids {bad[:5]} are outside the vocabulary "
-                             f"[0, {self.vocab_size})")
-        self.structured_outputs.check(params)  # compiles its grammar (cached): a bad schema is a ValueError here
-        max_output_len = self.max_model_len - len(token_ids)
-        if params.max_tokens is not None:
-            max_output_len = min(max_output_len, params.max_tokens)
-        return Sequence(f"{next(self._ids)}", text, token_ids, params, max_output_len)
+        return self.input_processor.make_sequence(prompt, params)
 
     def make_request(self, prompt: PromptType, params: SamplingParams) -> Request:
         """Validate one request and build it, without touching engine state: its Sequence, or with ``n > 1`` a
         ParentRequest over n child Sequences (engine/parallel_sampling.py)."""
-        seq = self.make_sequence(prompt, params)
-        if params.n == 1:
-            return seq
-        return ParentRequest(seq, [f"{next(self._ids)}" for _ in range(params.n)])
+        return self.input_processor.make_request(prompt, params)
 
     def add_sequence(self, seq: Sequence) -> None:
         self.structured_outputs.add(seq.request_id, seq.params)
@@ -324,29 +298,6 @@ class LLMEngine:
             if not seq.is_finished and seq in self.scheduler.running:
                 self.scheduler.preempt(seq)
 
-    # ---- helpers ---------------------------------------------------------------------------------
-    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-            ids = prompt["prompt_token_ids"]
-            if not isinstance(ids, list | tuple) or not all(type(t) is int for t in ids):  # bool is no token
-                raise ValueError("prompt_token_ids must be a list of ints")
-            return prompt.get("prompt"), list(ids)
-        text = prompt.get("prompt") if isinstance(prompt, dict) else prompt
-        if isinstance(text, str):
-            return text, self._encode(text)
-        raise ValueError("a prompt must be a string, {'prompt': str} or {'prompt_token_ids': [int, ...]}, "
-                         f"got {type(prompt).__name__}")
-
-    def _encode(self, text: str) -> list[int]:
-        if self.tokenizer is None:
-            raise ValueError("a text prompt needs a tokenizer, and this engine has skip_tokenizer_init=True: give "
-                             "{'prompt_token_ids': [...]}")
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError as e:  # a lone surrogate: no tokenizer can take it
-            raise ValueError(f"the prompt is not valid Unicode: {e.reason} at index {e.start}") from e
-        return self.tokenizer.encode(text)
-
     def cache_info(self) -> dict[str, int]:
         return self.kv.cache_info() | {"kv_bytes_per_token": self.runner.kv_bytes_per_token}
 
@@ -354,34 +305,6 @@ class LLMEngine:
         """The speculative-decoding counters and the governor's (README, "Speculative decoding")."""
         governor = self.governor.as_dict() if self.governor is not None else SpeculationGovernor().as_dict()
         return self.spec_metrics.as_dict() | governor
-
-
-def _draft_gate(governor: SpeculationGovernor | None, scheduler: Scheduler,
-                disable_by_batch_size: int | None) -> Callable[..., bool]:
-    """``may_draft(is_greedy=True)``: whether a request's next step may draft at all: not when
-    ``disable_by_batch_size`` requests or more are running, nor, for a greedy request, when the governor has turned
-    drafting off for this many (the drafters then only catch up). A random request's drafts change which sample it
-    draws (not its distribution), so the governor leaves them alone: a seeded request stays reproducible and
-    independent of its batch and of timing."""
-    def may_draft(is_greedy: bool = True) -> bool:
-        num_running = len(scheduler.running)
-        if disable_by_batch_size is not None and num_running >= disable_by_batch_size:
-            return False
-        return governor is None or not is_greedy or governor.is_drafting(num_running)
-    return may_draft
-
-
-def _draft_counter(policy: DraftLengthPolicy, metrics: SpecDecodeMetrics,
-                   may_draft: Callable[..., bool]) -> Callable[[str, bool], int]:
-    """``num_drafts(request_id, is_greedy)``: what the draft-length policy gives the request's next step (a step it
-    skips is counted), or 0 without asking it when the request's next step may not draft (``may_draft``)."""
-    def num_drafts(request_id: str, is_greedy: bool) -> int:
-        if not may_draft(is_greedy):
-            return 0
-        count = policy.num_drafts(request_id)
-        metrics.num_draft_skips += count == 0
-        return count
-    return num_drafts
 
 
 def _resolve_device(device: str) -> torch.device:
