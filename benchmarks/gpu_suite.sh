@@ -7,14 +7,17 @@
 #   the embedded model's speculation speeds. Each part has its own time limit, so one failure costs only itself.
 #
 #   bash benchmarks/gpu_suite.sh [PARTS...]     # PARTS: tests tune timing profile compare spec (default: all)
+#                                               # also, not in the default: kv (compressed-cache decode speed),
+#                                               # governor (speculation vs none, governor auto / off), serve (load)
 #
 # fla-core (optional; transformers' best GDN path and truespec's chunked prefill) is installed from .whl/ if there.
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-.out/gpu_suite}
 mkdir -p "$OUT"
-if ls .whl/*.whl >/dev/null 2>&1; then
-    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+if ls .whl/*.whl >/dev/null 2>&1; then  # .whl/serve/: fastapi, uvicorn, pydantic ... for `truespec serve` (part serve)
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl $(ls .whl/serve/*.whl 2>/dev/null) \
+        && export PYTHONPATH=/tmp/site
 fi
 export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}src:tests PYTHONUNBUFFERED=1
 parts=${*:-tests tune timing profile compare spec}
@@ -54,4 +57,20 @@ fi
 if has spec; then
     timeout 150 python3 benchmarks/spec_speed.py --json "$OUT/spec_speed.json" > "$OUT/spec_speed.txt" 2>&1
     tail -16 "$OUT/spec_speed.txt"
+fi
+if has kv; then
+    [ -d $shape ] || timeout 60 python3 benchmarks/qwen35_shape.py --out $shape --device cuda
+    timeout 400 python3 benchmarks/kv_decode_speed.py --model $shape --json "$OUT/kv_decode_speed.json" \
+        > "$OUT/kv_decode_speed.txt" 2>&1
+    tail -9 "$OUT/kv_decode_speed.txt"
+fi
+if has governor; then
+    timeout 500 python3 benchmarks/spec_vs_none.py --methods none "ngram k=8" "mtp k=3 ahead" --governors auto off \
+        --json "$OUT/spec_vs_none_governor.json" > "$OUT/spec_vs_none_governor.txt" 2>&1
+    tail -8 "$OUT/spec_vs_none_governor.txt"
+fi
+if has serve; then
+    timeout 150 python3 benchmarks/serve_load.py --clients 32 --duration 60 --max-tokens 64 \
+        --json "$OUT/serve_load.json" -- --dtype bfloat16 --max-num-seqs 32 > "$OUT/serve_load.txt" 2>&1
+    tail -12 "$OUT/serve_load.txt"
 fi
