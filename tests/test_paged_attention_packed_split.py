@@ -19,6 +19,7 @@ if not torch.cuda.is_available():
 triton = pytest.importorskip("triton")
 
 from helpers.attention_rows import (  # noqa: E402
+    check_graph_replay_follows_new_contents,
     packed_batch,
     packed_cache,
     packed_reference,
@@ -26,7 +27,6 @@ from helpers.attention_rows import (  # noqa: E402
     workspace_row_bytes,
 )
 from helpers.kernels import (  # noqa: E402
-    DEVICE,
     GPU_TOL_SCALE,
     NUM_PAD_TOKENS,
     assert_near,
@@ -34,7 +34,6 @@ from helpers.kernels import (  # noqa: E402
     gpu,
     i64,
     needs_cuda,
-    paged_batch,
     poisoned_empty,
     randn,
 )
@@ -165,24 +164,6 @@ def test_gpu_packed_split_attention_in_cuda_graph_follows_new_contents() -> None
     gen = torch.Generator().manual_seed(16)
     kv = randn(2, 400 * 16, 2, 256, dtype=torch.float32, gen=gen)
     cache = fmt.encode(kv[0], kv[1]).view(400, 16, 2, -1).contiguous()
-    batches = [[(900, 1), (40, 4), (511, 1), (0, 1)], [(1500, 1), (3, 4), (0, 1), (64, 1)], [(31, 4), (2000, 1)]]
-    static = None
-    for i, reqs in enumerate(batches):
-        reqs = reqs + [(0, 0)] * (4 - len(reqs))  # padded (empty) requests
-        batch = paged_batch(reqs, block_size=16, num_blocks=400, gen=gen)
-        tables = batch["block_tables"]
-        tables = torch.cat([tables, torch.full((4, 130 - tables.shape[1]), -1, device=DEVICE)], dim=1)
-        q = randn(9, 8, 256, dtype=torch.bfloat16, gen=gen)
-        args = (q, cache, batch["query_start_loc"], batch["seq_lens"], tables, 256**-0.5)
-        if static is None:
-            static, out = args, torch.empty_like(q)
-            paged_attention_packed(*static, fmt, 256, out=out)  # compile and cache the tables outside the capture
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                paged_attention_packed(*static, fmt, 256, out=out)
-        else:
-            for buf, value in zip(static[:5], args[:5], strict=True):
-                buf.copy_(value)
-        graph.replay()
-        assert torch.equal(out, paged_attention_packed(*args, fmt, 256)), f"batch {i}"
-        assert_near(out, packed_reference(args, fmt, 256)[0], torch.bfloat16, GPU_TOL_SCALE)
+    attend = functools.partial(paged_attention_packed, fmt=fmt, head_dim=256)
+    check_graph_replay_follows_new_contents(attend, cache, lambda args: packed_reference(args, fmt, 256)[0],
+                                            GPU_TOL_SCALE, gen)

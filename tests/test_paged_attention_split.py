@@ -6,6 +6,7 @@ The split layout of a row is a function of its number of keys only, so on CPU a 
 CUDA graph, and check the workspace bound of a big prefill.
 """
 
+import functools
 import os
 
 import pytest
@@ -16,8 +17,14 @@ if not torch.cuda.is_available():
 
 triton = pytest.importorskip("triton")
 
-from helpers.attention_rows import attention_batch  # noqa: E402
-from helpers.kernels import DEVICE, NUM_PAD_TOKENS, assert_near, gpu, i64, needs_cuda, paged_batch, randn  # noqa: E402
+from helpers.attention_rows import (  # noqa: E402
+    attention_batch,
+    check_graph_replay_follows_new_contents,
+    model_cache,
+    rows_alone_and_in_batches,
+    workspace_row_bytes,
+)
+from helpers.kernels import NUM_PAD_TOKENS, assert_near, gpu, i64, needs_cuda, randn  # noqa: E402
 from truespec.kernels.paged_attention import (  # noqa: E402
     BLOCK_N,
     MAX_SPLITS,
@@ -60,7 +67,7 @@ def test_split_attention_matches_reference_on_ragged_batch(
     args = attention_batch(SPLIT_REQS, num_heads, num_kv_heads, head_dim, dtype, seed=5)
     assert max(num_splits(n, SMALL) for n in row_keys(SPLIT_REQS)) == 4
     # Workspace for 7 rows: the batch runs in chunks of 7 tokens, padding rows in the last one.
-    row_bytes = num_heads * SMALL["max_splits"] * (head_dim + 2) * (8 if dtype == torch.float64 else 4)
+    row_bytes = workspace_row_bytes(num_heads, head_dim, SMALL["max_splits"], dtype)
     out = torch.full_like(args[0], float("nan"))  # every row must be written, padding rows too
     paged_attention(*args, out=out, **SMALL, max_workspace_bytes=7 * row_bytes)
     assert_near(out, paged_attention_ref(*args), dtype)
@@ -85,40 +92,14 @@ def check_row_same_alone_in_verify_and_in_mixed_batch(
     """Rows at positions context-1-k .. context-1 of one sequence, each computed as the only row of a batch
     of one decode, as one 1+k verify beside other requests, inside a prefill chunk, and inside a big mixed
     batch run in chunks of 3 rows with a wider block table: bitwise equal."""
-    gen = torch.Generator().manual_seed(7)
-    other_len = context + 5 * block_size  # longer than the sequence: a wider table, more grid splits
-    num_blocks = triton.cdiv(context, block_size) + triton.cdiv(other_len, block_size) + 2
-    blocks = torch.randperm(num_blocks, generator=gen).tolist()
-    table, other = blocks[: triton.cdiv(context, block_size)], blocks[-triton.cdiv(other_len, block_size) :]
-    cache = randn(2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, gen=gen)
-    rows = randn(k + 1, num_heads, head_dim, dtype=dtype, gen=gen)
     first = context - 1 - k
     assert min(num_splits(first + 1 + i, layout) for i in range(k + 1)) >= min_row_splits
-
-    def run(reqs: list[tuple[list[int], int, int]], q_rows: torch.Tensor, num_before: int, num_after: int,
-            **kwargs: int) -> torch.Tensor:  # fmt: skip
-        """reqs: (block table, seq_len, query_len); ``q_rows`` sit after ``num_before`` other query tokens,
-        ``num_after`` tokens (other requests' and padding) follow them."""
-        qsl = [0]
-        for _, _, query_len in reqs:
-            qsl.append(qsl[-1] + query_len)
-        width = max(len(t) for t, _, _ in reqs)
-        tables = i64([t + [-1] * (width - len(t)) for t, _, _ in reqs])
-        q = torch.cat([randn(num_before, num_heads, head_dim, dtype=dtype, gen=gen), q_rows,
-                       randn(num_after, num_heads, head_dim, dtype=dtype, gen=gen)])  # fmt: skip
-        out = paged_attention(q, cache, i64(qsl), i64([s for _, s, _ in reqs]), tables, head_dim**-0.5, **layout,
-                              **kwargs)  # fmt: skip
-        return out[num_before : num_before + q_rows.shape[0]]
-
-    alone = torch.cat([run([(table, first + i + 1, 1)], rows[i : i + 1], 0, 0) for i in range(k + 1)])
-    verify = run([(other, other_len, 2), (table, context, k + 1), (other, 5, 1)], rows, 2, 1 + NUM_PAD_TOKENS)
-    prefill = run([(other, 3, 1), (table, context, k + 3)], rows, 3, NUM_PAD_TOKENS)
-    reqs = [(other, other_len - 1, 3), (table, first + 1, 1), (other, other_len, 1), (table, context, k + 1)]
-    row_bytes = num_heads * layout["max_splits"] * (head_dim + 2) * (8 if dtype == torch.float64 else 4)
-    mixed = run(reqs, rows, 5, NUM_PAD_TOKENS, max_workspace_bytes=3 * row_bytes)
-    assert torch.equal(alone, verify)
-    assert torch.equal(alone, prefill)
-    assert torch.equal(alone, mixed)
+    attend = functools.partial(paged_attention, **layout)
+    row_bytes = workspace_row_bytes(num_heads, head_dim, layout["max_splits"], dtype)
+    alone, *batched = rows_alone_and_in_batches(attend, model_cache(dtype, block_size), num_heads, num_kv_heads,
+                                                head_dim, block_size, context, k, dtype, row_bytes)  # fmt: skip
+    for out in batched:
+        assert torch.equal(alone, out)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -157,27 +138,8 @@ def test_gpu_split_attention_in_cuda_graph_follows_new_contents() -> None:
     """Captured once, replayed with other seq_lens / tables / queries (other split counts): equal to eager."""
     gen = torch.Generator().manual_seed(9)
     cache = randn(2, 400, 16, 2, 256, dtype=torch.bfloat16, gen=gen)
-    batches = [[(900, 1), (40, 4), (511, 1), (0, 1)], [(1500, 1), (3, 4), (0, 1), (64, 1)], [(31, 4), (2000, 1)]]
-    static = None
-    for i, reqs in enumerate(batches):
-        reqs = reqs + [(0, 0)] * (4 - len(reqs))  # padded (empty) requests
-        batch = paged_batch(reqs, block_size=16, num_blocks=400, gen=gen)
-        tables = batch["block_tables"]
-        tables = torch.cat([tables, torch.full((4, 130 - tables.shape[1]), -1, device=DEVICE)], dim=1)
-        q = randn(9, 8, 256, dtype=torch.bfloat16, gen=gen)
-        args = (q, cache, batch["query_start_loc"], batch["seq_lens"], tables, 256**-0.5)
-        if static is None:
-            static, out = args, torch.empty_like(q)
-            paged_attention(*static, out=out)  # compile outside the capture
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                paged_attention(*static, out=out)
-        else:
-            for buf, value in zip(static[:5], args[:5], strict=True):
-                buf.copy_(value)
-        graph.replay()
-        assert torch.equal(out, paged_attention(*args)), f"batch {i}"
-        assert_near(out, paged_attention_ref(*args), torch.bfloat16, 5.0)
+    check_graph_replay_follows_new_contents(paged_attention, cache, lambda args: paged_attention_ref(*args), 5.0,
+                                            gen)
 
 
 @gpu

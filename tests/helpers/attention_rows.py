@@ -11,7 +11,7 @@ from collections.abc import Callable
 import torch
 import triton
 
-from helpers.kernels import NUM_PAD_TOKENS, i64, paged_batch, randn
+from helpers.kernels import DEVICE, NUM_PAD_TOKENS, assert_near, i64, paged_batch, randn
 from truespec.kv_cache.formats import KVFormat
 from truespec.ops.attention import SparseV, paged_attention_skips_ref
 
@@ -139,3 +139,32 @@ def model_cache(dtype: torch.dtype, block_size: int) -> Callable[[torch.Tensor],
 def workspace_row_bytes(num_heads: int, head_dim: int, max_splits: int, dtype: torch.dtype) -> int:
     """Bytes of one row of the split workspace (m, l, acc per head and split slot, accumulator dtype)."""
     return num_heads * max_splits * (head_dim + 2) * (8 if dtype == torch.float64 else 4)
+
+
+def check_graph_replay_follows_new_contents(attend: Attend, cache: torch.Tensor,
+                                            reference: Callable[[tuple], torch.Tensor], tol_scale: float,
+                                            gen: torch.Generator) -> None:  # fmt: skip
+    """``attend(q, cache, ...)`` captured once in a CUDA graph (after a warm-up call outside it), replayed with other
+    seq_lens / tables / queries (other split counts, padded requests): each replay equals the eager call bitwise and
+    ``reference(args)`` within ``tol_scale``. ``cache``: 400 blocks of 16 slots, 2 kv heads of 256; 8 query heads."""
+    batches = [[(900, 1), (40, 4), (511, 1), (0, 1)], [(1500, 1), (3, 4), (0, 1), (64, 1)], [(31, 4), (2000, 1)]]
+    static = None
+    for i, reqs in enumerate(batches):
+        reqs = reqs + [(0, 0)] * (4 - len(reqs))  # padded (empty) requests
+        batch = paged_batch(reqs, block_size=16, num_blocks=400, gen=gen)
+        tables = batch["block_tables"]
+        tables = torch.cat([tables, torch.full((4, 130 - tables.shape[1]), -1, device=DEVICE)], dim=1)
+        q = randn(9, 8, 256, dtype=torch.bfloat16, gen=gen)
+        args = (q, cache, batch["query_start_loc"], batch["seq_lens"], tables, 256**-0.5)
+        if static is None:
+            static, out = args, torch.empty_like(q)
+            attend(*static, out=out)  # compile (and cache any tables) outside the capture
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                attend(*static, out=out)
+        else:
+            for buf, value in zip(static[:5], args[:5], strict=True):
+                buf.copy_(value)
+        graph.replay()
+        assert torch.equal(out, attend(*args)), f"batch {i}"
+        assert_near(out, reference(args), torch.bfloat16, tol_scale)
