@@ -120,10 +120,6 @@ class LLMEngine:
         return cache, device
 
     # ---- requests ------------------------------------------------------------------------------
-    def make_sequence(self, prompt: PromptType, params: SamplingParams) -> Sequence:
-        """Validate one request and build its Sequence, without touching engine state."""
-        return self.input_processor.make_sequence(prompt, params)
-
     def make_request(self, prompt: PromptType, params: SamplingParams) -> Request:
         """Validate one request and build it, without touching engine state: its Sequence, or with ``n > 1`` a
         ParentRequest over n child Sequences (engine/parallel_sampling.py)."""
