@@ -42,7 +42,7 @@ REQS = [(90, 1), (60, 4), (30, 3), (0, 5), (4, 0), (0, 1), (100, 2)]
 PEAK, THRESHOLD = 8.0, 1e-2
 
 
-def model_reference(args: tuple, sparse_v: SparseV) -> tuple[torch.Tensor, int]:
+def model_reference(args: tuple, sparse_v: SparseV | None) -> tuple[torch.Tensor, int]:
     return paged_attention_skips_ref(*args, sparse_v=sparse_v)
 
 
@@ -172,7 +172,11 @@ def test_gpu_threshold_zero_is_bitwise_off_and_positive_matches_reference(name: 
     out = attend(*args, sparse_v_threshold=threshold)
     expected, num_skipped = reference(args, sparse_v=SparseV(threshold, **GPU_LAYOUT))
     assert num_skipped > 100
-    assert_near(out, expected, dtype, GPU_TOL_SCALE)
+    # The peaked scores reach ~|256|: fp32 rounds them by ~1e-5, so the kernel without skipping is already
+    # ~1.8e-4 from float64 (H100). Skipping may add no error of its own: the skipping kernel is as close to the
+    # skipping reference as the plain kernel is to plain attention (one tile decided differently: ~4e-3).
+    own_error = (off - reference(args, sparse_v=None)[0]).abs().max().item()
+    assert (out - expected).abs().max().item() <= max(TOL[dtype] * GPU_TOL_SCALE, 1.5 * own_error)
     assert not torch.equal(out, off)
 
 
