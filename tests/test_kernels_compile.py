@@ -4,7 +4,8 @@ Triton's interpreter runs a kernel as Python, so it accepts code the compiler re
 that is not a ``tl.constexpr`` (the packed attention kernel once read MAX_SPLITS that way and never compiled), an
 op with no lowering for a dtype. ``triton.compile`` with an explicit target runs the whole pipeline, ptxas included,
 on the CPU. The kernels must be defined compiled, so this runs in a subprocess without ``TRITON_INTERPRET``.
-Each cache dtype's attention loop (sparse-V on; off too for the model dtype) and store kernel, at head_dim 256.
+Each cache dtype's attention loop (sparse-V on; off too for the model dtype; a bf16 model's tensor-core tiles, and
+an fp32 model's for two formats) and store kernel, at head_dim 256.
 """
 
 import os
@@ -44,7 +45,7 @@ def attention_types(cache, q):
 
 
 layout = dict(HEAD_DIM=D, HEAD_DIM_PAD=D, GROUP=4, GROUP_PAD=16, BLOCK_SIZE=16, BLOCK_N=32, MAX_SPLITS=16,
-              MIN_SPLIT_KEYS=64, ACC_DTYPE=tl.float32, UPCAST=False)
+              MIN_SPLIT_KEYS=64, ACC_DTYPE=tl.float32, DOT_DTYPE=tl.bfloat16, UPCAST=False)
 model = dict(KEY_ENC=0, KEY_BITS=0, KEY_CODE_BYTES=0, VALUE_ENC=0, VALUE_BITS=0, VALUE_CODE_BYTES=0)
 for sparse_v in (False, True):
     compile_kernel(attention._paged_attention_kernel, dict(layout, **model, SPARSE_V=sparse_v),
@@ -58,6 +59,10 @@ for name in ["fp8", "turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc
                     VALUE_BITS=value_bits, VALUE_CODE_BYTES=packed_size(D, value_bits))
     compile_kernel(attention._paged_attention_kernel, dict(layout, **encoding, SPARSE_V=True),
                    attention_types("*u8", "*fp32" if fmt.is_rotated else "*bf16"))
+    if name in ("turboquant_k8v4", "turboquant_4bit_nc"):  # an fp32 model: tiles decoded in fp32, IEEE products
+        types = dict(attention_types("*u8", "*fp32"), out_ptr="*fp32")
+        compile_kernel(attention._paged_attention_kernel, dict(layout, **encoding, SPARSE_V=True,
+                                                               DOT_DTYPE=tl.float32), types)
     compile_kernel(store._kv_store_packed_kernel,
                    dict(HEAD_DIM=D, HEAD_DIM_PAD=D, **encoding, KEY_BYTES=fmt.key_bytes(D), CODE_BLOCK=32,
                         COMPUTE_DTYPE=tl.float32, TINY=1.1754943508222875e-38, IS_FP64=False),

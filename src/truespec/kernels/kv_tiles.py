@@ -14,7 +14,10 @@ The encoding of keys and of values is a compile-time constant, so each cache dty
 - ``UNIFORM`` values: codes unpacked the same way, ``v = code * scale + zero`` (fp16 scale / zero).
 
 Packed slots (kv_cache/formats.py) hold the key part then the value part, multi-byte fields little-endian; decoded
-tiles are in the accumulator dtype (fp32, fp64 for fp64 q) and are never written back.
+tiles are never written back. For 16-bit models (DOT_DTYPE bf16 / fp16) every product runs on the tensor cores
+with operands that are exact in 16 bits (fp8 bytes, value codes) or split in two 16-bit halves (the rotated q and
+the Lloyd-Max centroids); fp32 and fp64 models decode tiles in the accumulator dtype and multiply in IEEE fp32 /
+fp64 (``DOT_DTYPE`` is then the accumulator dtype).
 """
 
 from typing import NamedTuple
@@ -69,49 +72,84 @@ def load_fp8(ptr, mask):
 
 
 @triton.jit
-def tile_queries(q, KEY_ENC: tl.constexpr, ACC_DTYPE: tl.constexpr):
-    """The query tile as ``tile_scores`` reads it: the model dtype for MODEL keys, else the accumulator dtype."""
-    if KEY_ENC != ENC_MODEL:
-        q = q.to(ACC_DTYPE)
-    return q
+def split_hi_lo(x, DOT_DTYPE: tl.constexpr):
+    """fp32 x as hi + lo, both in the 16-bit DOT_DTYPE (hi = x rounded, lo = the rest rounded): two 16-bit MMA
+    operands that carry ~16 (bf16) or ~22 (fp16) significant bits of x together."""
+    hi = x.to(DOT_DTYPE)
+    return hi, (x - hi.to(tl.float32)).to(DOT_DTYPE)
 
 
 @triton.jit
-def tile_scores(q, head_ptr, slot_off, d, n_mask, kv_mask, centroids_ptr, KEY_ENC: tl.constexpr,
-                KEY_BITS: tl.constexpr, KEY_CODE_BYTES: tl.constexpr, UPCAST: tl.constexpr):  # fmt: skip
-    """Unscaled scores [GROUP_PAD, BLOCK_N] of q [GROUP_PAD, HEAD_DIM_PAD] (``tile_queries``) against the keys of
-    the tile's slots, which start ``slot_off`` [BLOCK_N] elements (bytes for a packed cache) past ``head_ptr``."""
+def tile_queries(q, KEY_ENC: tl.constexpr, ACC_DTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """The query tile as ``tile_scores`` reads it, as (main, lo): the model dtype for MODEL and FP8 keys on the
+    tensor cores (lo unused); for LLOYD_MAX keys on the tensor cores the fp32 rotated q split by ``split_hi_lo``;
+    without tensor cores (DOT_DTYPE is the accumulator dtype) q in the accumulator dtype (lo unused)."""
+    if KEY_ENC == ENC_MODEL:
+        return q, q
+    elif DOT_DTYPE == ACC_DTYPE:
+        q = q.to(ACC_DTYPE)
+        return q, q
+    elif KEY_ENC == ENC_FP8:
+        q = q.to(DOT_DTYPE)
+        return q, q
+    else:
+        return split_hi_lo(q.to(tl.float32), DOT_DTYPE)
+
+
+@triton.jit
+def tile_scores(q, q_lo, head_ptr, slot_off, d, n_mask, kv_mask, centroids_ptr, KEY_ENC: tl.constexpr,
+                KEY_BITS: tl.constexpr, KEY_CODE_BYTES: tl.constexpr, ACC_DTYPE: tl.constexpr,
+                DOT_DTYPE: tl.constexpr, UPCAST: tl.constexpr):  # fmt: skip
+    """Unscaled scores [GROUP_PAD, BLOCK_N] of (q, q_lo) [GROUP_PAD, HEAD_DIM_PAD] (``tile_queries``) against the
+    keys of the tile's slots, which start ``slot_off`` [BLOCK_N] elements (bytes for a packed cache) past
+    ``head_ptr``. On the tensor cores (DOT_DTYPE 16-bit): fp8 keys widen exactly to DOT_DTYPE; Lloyd-Max centroids
+    (fp32) are split like q and scored as hi.hi + hi.lo + lo.hi (the lo.lo term is below fp32's last bits)."""
     if KEY_ENC == ENC_MODEL:
         k = tl.load(head_ptr + (slot_off[:, None] + d[None, :]), mask=kv_mask, other=0.0)  # [BLOCK_N, HEAD_DIM_PAD]
         s = mma(q, tl.trans(k), UPCAST)
     elif KEY_ENC == ENC_FP8:
         k = load_fp8(head_ptr + (slot_off[:, None] + d[None, :]), kv_mask).to(q.dtype)
-        s = mma(q, tl.trans(k), False)
+        s = mma(q, tl.trans(k), UPCAST)
     else:
         slot_ptr = head_ptr + slot_off  # [BLOCK_N]
         codes = unpack_codes(slot_ptr[:, None], d[None, :], kv_mask, KEY_BITS, KEY_CODE_BYTES)
         c = tl.load(centroids_ptr + codes, mask=kv_mask, other=0.0)  # [BLOCK_N, HEAD_DIM_PAD]
         c_norm = tl.sqrt(reduce_sum(c * c, 1))
-        norm = load_fp16(slot_ptr + KEY_CODE_BYTES, n_mask).to(q.dtype)
+        norm = load_fp16(slot_ptr + KEY_CODE_BYTES, n_mask).to(ACC_DTYPE)
         weight = norm / tl.where(c_norm > 0, c_norm, 1.0)  # ||k|| / ||c||; masked keys: 0
-        s = mma(q, tl.trans(c), False) * weight[None, :]
+        if DOT_DTYPE == ACC_DTYPE:
+            s = mma(q, tl.trans(c), False)
+        else:
+            c_hi, c_lo = split_hi_lo(c, DOT_DTYPE)
+            s = mma(q, tl.trans(c_hi), UPCAST) + mma(q, tl.trans(c_lo), UPCAST) + mma(q_lo, tl.trans(c_hi), UPCAST)
+        s = s * weight[None, :]
     return s
 
 
 @triton.jit
-def tile_values(value_ptr, slot_off, d, n_mask, kv_mask, VALUE_ENC: tl.constexpr, VALUE_BITS: tl.constexpr,
-                VALUE_CODE_BYTES: tl.constexpr, ACC_DTYPE: tl.constexpr):  # fmt: skip
-    """Values [BLOCK_N, HEAD_DIM_PAD] of the tile's slots, whose value parts start ``slot_off`` [BLOCK_N] past
-    ``value_ptr``: the model dtype for MODEL values, else decoded in the accumulator dtype (masked lanes 0)."""
+def tile_pv(p, value_ptr, slot_off, d, n_mask, kv_mask, VALUE_ENC: tl.constexpr, VALUE_BITS: tl.constexpr,
+            VALUE_CODE_BYTES: tl.constexpr, ACC_DTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr,
+            UPCAST: tl.constexpr):  # fmt: skip
+    """p [GROUP_PAD, BLOCK_N] (accumulator dtype) @ the values [BLOCK_N, HEAD_DIM_PAD] of the tile's slots, whose
+    value parts start ``slot_off`` [BLOCK_N] past ``value_ptr``. MODEL and FP8 values: p cast to the values'
+    dtype (fp8 widened exactly to DOT_DTYPE) and one MMA. UNIFORM values ``code * scale + zero`` per slot: on the
+    tensor cores ``(p * scale) @ codes + (p . zero)`` (codes are exact in 16 bits), else decoded in the accumulator
+    dtype (masked lanes 0)."""
+    v_ptrs = value_ptr + (slot_off[:, None] + d[None, :])
     if VALUE_ENC == ENC_MODEL:
-        v = tl.load(value_ptr + (slot_off[:, None] + d[None, :]), mask=kv_mask, other=0.0)
+        v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
+        return mma(p.to(v.dtype), v, UPCAST)
     elif VALUE_ENC == ENC_FP8:
-        v = load_fp8(value_ptr + (slot_off[:, None] + d[None, :]), kv_mask).to(ACC_DTYPE)
+        v = load_fp8(v_ptrs, kv_mask).to(DOT_DTYPE)
+        return mma(p.to(DOT_DTYPE), v, UPCAST)
     else:
         slot_ptr = value_ptr + slot_off  # [BLOCK_N]
         codes = unpack_codes(slot_ptr[:, None], d[None, :], kv_mask, VALUE_BITS, VALUE_CODE_BYTES)
         v_scale = load_fp16(slot_ptr + VALUE_CODE_BYTES, n_mask).to(ACC_DTYPE)
         v_zero = load_fp16(slot_ptr + VALUE_CODE_BYTES + 2, n_mask).to(ACC_DTYPE)
-        v = codes.to(ACC_DTYPE) * v_scale[:, None] + v_zero[:, None]
-        v = tl.where(kv_mask, v, 0.0)
-    return v
+        if DOT_DTYPE == ACC_DTYPE:
+            v = codes.to(ACC_DTYPE) * v_scale[:, None] + v_zero[:, None]
+            return mma(p, tl.where(kv_mask, v, 0.0), False)
+        scaled = (p * v_scale[None, :]).to(DOT_DTYPE)
+        codes = codes.to(tl.float32).to(DOT_DTYPE)  # via fp32: Triton 3.6's interpreter casts int32 -> bf16 wrongly
+        return mma(scaled, codes, UPCAST) + reduce_sum(p * v_zero[None, :], 1)[:, None]

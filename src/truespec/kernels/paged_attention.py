@@ -59,10 +59,9 @@ import torch
 import triton
 import triton.language as tl
 
-from truespec.kernels.kv_tiles import MODEL, CacheTiles, tile_queries, tile_scores, tile_values
+from truespec.kernels.kv_tiles import MODEL, CacheTiles, tile_pv, tile_queries, tile_scores
 from truespec.kernels.triton_utils import (
     find_request,
-    mma,
     needs_dot_upcast,
     pad_pow2,
     reduce_max,
@@ -73,6 +72,7 @@ from truespec.ops.attention import BLOCK_N, MAX_SPLITS, MIN_SPLIT_KEYS
 
 NUM_WARPS = 4  # BLOCK_N, MAX_SPLITS, MIN_SPLIT_KEYS (ops/attention.py): tuned on an H200 (module docstring)
 MAX_WORKSPACE_BYTES = 128 << 20
+_TL_16BIT = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
 @triton.jit
@@ -129,6 +129,7 @@ def _paged_attention_kernel(
     MAX_SPLITS: tl.constexpr,
     MIN_SPLIT_KEYS: tl.constexpr,
     ACC_DTYPE: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,  # 16-bit models: the tensor cores' operand dtype for decoded tiles; else ACC_DTYPE
     UPCAST: tl.constexpr,
     KEY_ENC: tl.constexpr,  # kernels/kv_tiles.py encodings
     KEY_BITS: tl.constexpr,
@@ -155,7 +156,7 @@ def _paged_attention_kernel(
     heads = kv_head * GROUP + g
     q_mask = (g[:, None] < GROUP) & (d[None, :] < HEAD_DIM)
     q = tl.load(q_ptr + token * stride_q_tok + heads[:, None] * stride_q_head + d[None, :], mask=q_mask, other=0.0)
-    q = tile_queries(q, KEY_ENC, ACC_DTYPE)  # decoded keys are scored in the accumulator dtype
+    q, q_lo = tile_queries(q, KEY_ENC, ACC_DTYPE, DOT_DTYPE)  # as tile_scores reads it
     scale_acc = tl.full([], scale, ACC_DTYPE)
     threshold = tl.full([], sparse_v_threshold, ACC_DTYPE)
 
@@ -169,8 +170,8 @@ def _paged_attention_kernel(
         blocks = tl.load(block_tables_ptr + r * stride_bt_req + n // BLOCK_SIZE, mask=n_mask, other=0)
         slot_off = blocks * stride_cache_block + (n % BLOCK_SIZE) * stride_cache_slot  # [BLOCK_N] int64
         kv_mask = n_mask[:, None] & (d[None, :] < HEAD_DIM)
-        s = tile_scores(q, cache_head_ptr, slot_off, d, n_mask, kv_mask, centroids_ptr, KEY_ENC, KEY_BITS,
-                        KEY_CODE_BYTES, UPCAST)  # fmt: skip
+        s = tile_scores(q, q_lo, cache_head_ptr, slot_off, d, n_mask, kv_mask, centroids_ptr, KEY_ENC, KEY_BITS,
+                        KEY_CODE_BYTES, ACC_DTYPE, DOT_DTYPE, UPCAST)  # fmt: skip
         s = s * scale_acc  # [GROUP_PAD, BLOCK_N]
         s = tl.where(n_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m, reduce_max(s, 1))  # finite: every tile holds a key of this split
@@ -184,11 +185,11 @@ def _paged_attention_kernel(
             if (weight < threshold) & (num_keys >= sparse_v_min_keys):  # strict: threshold 0 never skips
                 acc = acc * alpha[:, None]
             else:
-                acc = _add_values(acc, alpha, p, value_ptr, slot_off, d, n_mask, kv_mask, VALUE_ENC, VALUE_BITS,
-                                  VALUE_CODE_BYTES, ACC_DTYPE, UPCAST)  # fmt: skip
+                acc = acc * alpha[:, None] + tile_pv(p, value_ptr, slot_off, d, n_mask, kv_mask, VALUE_ENC, VALUE_BITS,
+                                                     VALUE_CODE_BYTES, ACC_DTYPE, DOT_DTYPE, UPCAST)  # fmt: skip
         else:
-            acc = _add_values(acc, alpha, p, value_ptr, slot_off, d, n_mask, kv_mask, VALUE_ENC, VALUE_BITS,
-                              VALUE_CODE_BYTES, ACC_DTYPE, UPCAST)  # fmt: skip
+            acc = acc * alpha[:, None] + tile_pv(p, value_ptr, slot_off, d, n_mask, kv_mask, VALUE_ENC, VALUE_BITS,
+                                                 VALUE_CODE_BYTES, ACC_DTYPE, DOT_DTYPE, UPCAST)  # fmt: skip
         m = m_new
 
     if num_splits == 1:  # the unsplit loop: normalise and write the output here
@@ -200,15 +201,6 @@ def _paged_attention_kernel(
         tl.store(ws_m_ptr + ws_row, m, mask=g < GROUP)
         tl.store(ws_l_ptr + ws_row, l, mask=g < GROUP)
         tl.store(ws_acc_ptr + ws_row[:, None] * HEAD_DIM + d[None, :], acc, mask=q_mask)
-
-
-@triton.jit
-def _add_values(acc, alpha, p, value_ptr, slot_off, d, n_mask, kv_mask, VALUE_ENC: tl.constexpr,
-                VALUE_BITS: tl.constexpr, VALUE_CODE_BYTES: tl.constexpr, ACC_DTYPE: tl.constexpr,
-                UPCAST: tl.constexpr):  # fmt: skip
-    """acc [GROUP_PAD, HEAD_DIM_PAD] rescaled by alpha plus p @ V of the tile (p cast to V's dtype)."""
-    v = tile_values(value_ptr, slot_off, d, n_mask, kv_mask, VALUE_ENC, VALUE_BITS, VALUE_CODE_BYTES, ACC_DTYPE)
-    return acc * alpha[:, None] + mma(p.to(v.dtype), v, UPCAST)
 
 
 @triton.jit(do_not_specialize=["num_reqs", "row_offset", "ws_splits"])
@@ -340,6 +332,7 @@ def split_attention(
     grid_splits = min(max_splits, max(1, triton.cdiv(block_tables.shape[1] * tiles.block_size,
                                                      triton.cdiv(min_split_keys, block_n) * block_n)))  # fmt: skip
     acc_dtype = torch.float64 if out.dtype == torch.float64 else torch.float32
+    dot_dtype = _TL_16BIT.get(out.dtype, tl_compute_dtype(out.dtype))  # 16-bit models: decoded tiles on tensor cores
     bytes_per_row = num_heads * grid_splits * (head_dim + 2) * acc_dtype.itemsize
     chunk = num_tokens if grid_splits == 1 else min(num_tokens, max(1, max_workspace_bytes // bytes_per_row))
     ws_rows = 1 if grid_splits == 1 else chunk  # one split: the first kernel writes out itself
@@ -355,7 +348,8 @@ def split_attention(
             num_reqs, row_offset, grid_splits, scale, threshold, sparse_v_min_keys, q.stride(0), q.stride(1),
             out.stride(0), out.stride(1), tiles.value_offset, *tiles.strides, block_tables.stride(0),
             GROUP=group, GROUP_PAD=pad_pow2(group), BLOCK_SIZE=tiles.block_size, ACC_DTYPE=tl_compute_dtype(out.dtype),
-            UPCAST=needs_dot_upcast(q.dtype), SPARSE_V=sparse_v_threshold is not None, num_warps=num_warps,
+            DOT_DTYPE=dot_dtype, UPCAST=needs_dot_upcast(out.dtype), SPARSE_V=sparse_v_threshold is not None,
+            num_warps=num_warps,
             **tiles.encoding, **constants,
         )  # fmt: skip
         if grid_splits > 1:

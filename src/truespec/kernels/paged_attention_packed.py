@@ -12,7 +12,10 @@ the model-dtype kernel loads it (never written back):
   a small table, scores ``<q_rot, c> * norm / ||c||`` (norm correction); keys are never rotated back.
 - Uniform values: codes unpacked the same way, ``v = code * scale + zero`` (fp16 scale / zero, little-endian).
 
-Scores, softmax and P @ V run in fp32 (fp64 for fp64 q), the output is cast to q's dtype. A row's split layout and
+For 16-bit models the products run on the tensor cores (kv_tiles.py: fp8 bytes and value codes are exact 16-bit
+operands; the rotated q and the centroids are split into two 16-bit halves), accumulated in fp32; fp32 models
+multiply decoded tiles in IEEE fp32, fp64 models in fp64. Softmax runs in fp32 (fp64), the output in q's dtype.
+A row's split layout and
 tiles are functions of its number of keys and the compile-time constants only (``_row_layout``), so a row gives
 bitwise the same output as a decode, inside a 1+k verify, a prefill chunk or any mixed batch (docs/ARCHITECTURE.md
 invariant 4). Padding rows write zeros. No host reads; grids and the workspace come from tensor shapes only; the
