@@ -15,10 +15,10 @@ the model-dtype kernel loads it (never written back):
 For 16-bit models the products run on the tensor cores (kv_tiles.py: fp8 bytes and value codes are exact 16-bit
 operands; the rotated q and the centroids are split into two 16-bit halves), accumulated in fp32; fp32 models
 multiply decoded tiles in IEEE fp32, fp64 models in fp64. Softmax runs in fp32 (fp64), the output in q's dtype.
-A row's split layout and
-tiles are functions of its number of keys and the compile-time constants only (``_row_layout``), so a row gives
-bitwise the same output as a decode, inside a 1+k verify, a prefill chunk or any mixed batch (docs/ARCHITECTURE.md
-invariant 4). Padding rows write zeros. No host reads; grids and the workspace come from tensor shapes only; the
+
+A row's split layout and tiles are functions of its number of keys and the compile-time constants only
+(``_row_layout``), so a row gives bitwise the same output as a decode, inside a 1+k verify, a prefill chunk or any
+mixed batch (docs/ARCHITECTURE.md invariant 4). Padding rows write zeros. No host reads; grids and the workspace come from tensor shapes only; the
 rotation matrix and centroid table are cached per (head_dim, bits, dtype, device), so a first eager call before
 capture makes the wrapper CUDA-graph capturable. The cache is written by kernels/kv_store_packed.py (``store_packed``).
 
