@@ -278,18 +278,30 @@ def paged_attention(
     whose weights p / l are all below it (0 skips nothing and gives the same bits as None; see the module
     docstring); ``sparse_v_min_keys``: only rows with at least this many keys skip (sparse_v="auto").
     Returns ``out`` [T, num_heads, head_dim] (allocated if None)."""
+    tiles = model_cache_tiles(q, kv_cache)
+    out = torch.empty_like(q) if out is None else out
+    return split_attention(q, tiles, query_start_loc, seq_lens, block_tables, scale, out, block_n, max_splits,
+                           min_split_keys, num_warps, max_workspace_bytes, sparse_v_threshold,
+                           sparse_v_min_keys)  # fmt: skip
+
+
+def model_cache_tiles(q: torch.Tensor, kv_cache: torch.Tensor) -> CacheTiles:
+    """How the kernels read a model-dtype ``kv_cache`` [2, num_blocks, block_size, num_kv_heads, head_dim] for q
+    [T, num_heads, head_dim]; a ValueError if the two do not fit."""
     _, _, block_size, num_kv_heads, cache_head_dim = kv_cache.shape
     if cache_head_dim != q.shape[-1] or q.shape[1] % num_kv_heads != 0 or q.stride(-1) != 1:
         raise ValueError(f"q {tuple(q.shape)} (unit last stride) does not fit kv_cache {tuple(kv_cache.shape)}")
     if kv_cache.stride(-1) != 1 or q.dtype != kv_cache.dtype:
         raise ValueError("kv_cache needs a unit last stride and q's dtype")
-    tiles = CacheTiles(kv_cache, block_size, num_kv_heads, (kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3)),
-                       kv_cache.stride(0), kv_cache, dict(KEY_ENC=MODEL, KEY_BITS=0, KEY_CODE_BYTES=0, VALUE_ENC=MODEL,
-                                                          VALUE_BITS=0, VALUE_CODE_BYTES=0))  # fmt: skip
-    out = torch.empty_like(q) if out is None else out
-    return split_attention(q, tiles, query_start_loc, seq_lens, block_tables, scale, out, block_n, max_splits,
-                           min_split_keys, num_warps, max_workspace_bytes, sparse_v_threshold,
-                           sparse_v_min_keys)  # fmt: skip
+    return CacheTiles(kv_cache, block_size, num_kv_heads, (kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3)),
+                      kv_cache.stride(0), kv_cache, dict(KEY_ENC=MODEL, KEY_BITS=0, KEY_CODE_BYTES=0, VALUE_ENC=MODEL,
+                                                         VALUE_BITS=0, VALUE_CODE_BYTES=0))  # fmt: skip
+
+
+def dot_dtype(out_dtype: torch.dtype) -> tl.dtype:
+    """The MMA operand dtype of decoded tiles: the model dtype for 16-bit models (tensor cores), else the
+    accumulator dtype (IEEE fp32 / fp64 products)."""
+    return _TL_16BIT.get(out_dtype, tl_compute_dtype(out_dtype))
 
 
 def split_attention(
@@ -332,7 +344,6 @@ def split_attention(
     grid_splits = min(max_splits, max(1, triton.cdiv(block_tables.shape[1] * tiles.block_size,
                                                      triton.cdiv(min_split_keys, block_n) * block_n)))  # fmt: skip
     acc_dtype = torch.float64 if out.dtype == torch.float64 else torch.float32
-    dot_dtype = _TL_16BIT.get(out.dtype, tl_compute_dtype(out.dtype))  # 16-bit models: decoded tiles on tensor cores
     bytes_per_row = num_heads * grid_splits * (head_dim + 2) * acc_dtype.itemsize
     chunk = num_tokens if grid_splits == 1 else min(num_tokens, max(1, max_workspace_bytes // bytes_per_row))
     ws_rows = 1 if grid_splits == 1 else chunk  # one split: the first kernel writes out itself
@@ -348,7 +359,7 @@ def split_attention(
             num_reqs, row_offset, grid_splits, scale, threshold, sparse_v_min_keys, q.stride(0), q.stride(1),
             out.stride(0), out.stride(1), tiles.value_offset, *tiles.strides, block_tables.stride(0),
             GROUP=group, GROUP_PAD=pad_pow2(group), BLOCK_SIZE=tiles.block_size, ACC_DTYPE=tl_compute_dtype(out.dtype),
-            DOT_DTYPE=dot_dtype, UPCAST=needs_dot_upcast(out.dtype), SPARSE_V=sparse_v_threshold is not None,
+            DOT_DTYPE=dot_dtype(out.dtype), UPCAST=needs_dot_upcast(out.dtype), SPARSE_V=sparse_v_threshold is not None,
             num_warps=num_warps,
             **tiles.encoding, **constants,
         )  # fmt: skip

@@ -18,9 +18,10 @@ multiply decoded tiles in IEEE fp32, fp64 models in fp64. Softmax runs in fp32 (
 
 A row's split layout and tiles are functions of its number of keys and the compile-time constants only
 (``_row_layout``), so a row gives bitwise the same output as a decode, inside a 1+k verify, a prefill chunk or any
-mixed batch (docs/ARCHITECTURE.md invariant 4). Padding rows write zeros. No host reads; grids and the workspace come from tensor shapes only; the
-rotation matrix and centroid table are cached per (head_dim, bits, dtype, device), so a first eager call before
-capture makes the wrapper CUDA-graph capturable. The cache is written by kernels/kv_store_packed.py (``store_packed``).
+mixed batch (docs/ARCHITECTURE.md invariant 4). Padding rows write zeros. No host reads; grids and the workspace
+come from tensor shapes only; the rotation matrix and centroid table are cached per (head_dim, bits, dtype,
+device), so a first eager call before capture makes the wrapper CUDA-graph capturable. The cache is written by
+kernels/kv_store_packed.py (``store_packed``).
 
 fp64 q runs under Triton's interpreter only: compiled, Triton 3.6 cannot lower an fp64 ``tl.dot`` whose operand
 is decoded in registers ("fp64 don't support largeK MMA"), so the wrapper refuses fp64 on CUDA.
@@ -136,6 +137,17 @@ def paged_attention_packed(
     are ``paged_attention``'s: ``block_n``, ``max_splits``, ``min_split_keys``, ``num_warps`` fix each row's
     arithmetic (keep them the same for every call of a model: invariant 4); ``sparse_v_threshold`` None is off,
     0 gives the same bits as off. Returns ``out`` (allocated if None) in q's dtype."""
+    q_in, tiles = packed_cache_tiles(q, kv_cache, fmt, head_dim)
+    out = torch.empty_like(q) if out is None else out
+    return split_attention(q_in, tiles, query_start_loc, seq_lens, block_tables, scale, out, block_n, max_splits,
+                           min_split_keys, num_warps, max_workspace_bytes, sparse_v_threshold,
+                           sparse_v_min_keys)  # fmt: skip
+
+
+def packed_cache_tiles(q: torch.Tensor, kv_cache: torch.Tensor, fmt: KVFormat, head_dim: int
+                       ) -> tuple[torch.Tensor, CacheTiles]:  # fmt: skip
+    """(q as the kernels read it, how they read the packed ``kv_cache``): q rotated once (q @ H, in the accumulator
+    dtype) for Lloyd-Max keys, else q itself; a ValueError if q and the cache do not fit."""
     check_packed_cache(kv_cache, fmt, head_dim)
     _, block_size, num_kv_heads, _ = kv_cache.shape
     num_heads = q.shape[1]
@@ -144,7 +156,6 @@ def paged_attention_packed(
     if q.dtype == torch.float64 and q.is_cuda:
         raise ValueError("packed attention in fp64 does not compile on CUDA (Triton 3.6 has no fp64 MMA on "
                          "register-decoded operands): fp64 models read packed caches through the torch reference")
-    out = torch.empty_like(q) if out is None else out
     acc_dtype = compute_dtype(q.dtype)
     if fmt.is_rotated:
         assert fmt.key_bits is not None and fmt.norm_correction, "Lloyd-Max keys are read with norm correction"
@@ -160,6 +171,4 @@ def paged_attention_packed(
                     VALUE_CODE_BYTES=packed_size(head_dim, value_bits))  # fmt: skip
     tiles = CacheTiles(kv_cache, block_size, num_kv_heads, (kv_cache.stride(0), kv_cache.stride(1),
                        kv_cache.stride(2)), fmt.key_bytes(head_dim), centroids, encoding)  # fmt: skip
-    return split_attention(q_in, tiles, query_start_loc, seq_lens, block_tables, scale, out, block_n, max_splits,
-                           min_split_keys, num_warps, max_workspace_bytes, sparse_v_threshold,
-                           sparse_v_min_keys)  # fmt: skip
+    return q_in, tiles
