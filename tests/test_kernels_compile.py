@@ -5,7 +5,7 @@ that is not a ``tl.constexpr`` (the packed attention kernel once read MAX_SPLITS
 op with no lowering for a dtype. ``triton.compile`` with an explicit target runs the whole pipeline, ptxas included,
 on the CPU. The kernels must be defined compiled, so this runs in a subprocess without ``TRITON_INTERPRET``.
 Each cache dtype's attention loop (sparse-V on; off too for the model dtype; a bf16 model's tensor-core tiles, and
-an fp32 model's for two formats) and store kernel, at head_dim 256.
+an fp32 model's for two formats) and store kernel, and the prefill kernel (model dtype, 4bit_nc), at head_dim 256.
 """
 
 import os
@@ -28,6 +28,7 @@ from truespec.ops.kv_quant import packed_size
 attention = importlib.import_module("truespec.kernels.paged_attention")
 packed = importlib.import_module("truespec.kernels.paged_attention_packed")
 store = importlib.import_module("truespec.kernels.kv_store_packed")
+prefill = importlib.import_module("truespec.kernels.prefill_attention")
 D = 256
 
 
@@ -68,6 +69,17 @@ for name in ["fp8", "turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc
                         COMPUTE_DTYPE=tl.float32, TINY=1.1754943508222875e-38, IS_FP64=False),
                    dict(k_ptr="*bf16", v_ptr="*bf16", kv_cache_ptr="*u8", slot_mapping_ptr="*i64",
                         hadamard_ptr="*fp32", boundaries_ptr="*fp32"))
+prefill_types = dict(out_ptr="*bf16", q_ptr="*bf16", kv_cache_ptr="*bf16", centroids_ptr="*fp32",
+                     query_start_loc_ptr="*i64", seq_lens_ptr="*i64", block_tables_ptr="*i64", tile_offsets_ptr="*i64",
+                     scale="fp64")
+prefill_layout = dict(HEAD_DIM=D, HEAD_DIM_PAD=D, GROUP=4, GROUP_PAD=4, BLOCK_SIZE=16, BLOCK_M=16, BLOCK_N=64,
+                      ACC_DTYPE=tl.float32, DOT_DTYPE=tl.bfloat16, UPCAST=False)
+compile_kernel(prefill._prefill_attention_kernel, dict(prefill_layout, **model), prefill_types)
+fmt = FORMATS["turboquant_4bit_nc"]
+compile_kernel(prefill._prefill_attention_kernel, dict(prefill_layout, KEY_ENC=packed.KEY_ENCODINGS[fmt.key_encoding],
+               KEY_BITS=4, KEY_CODE_BYTES=packed_size(D, 4), VALUE_ENC=packed.VALUE_ENCODINGS[fmt.value_encoding],
+               VALUE_BITS=4, VALUE_CODE_BYTES=packed_size(D, 4)),
+               dict(prefill_types, kv_cache_ptr="*u8", q_ptr="*fp32"))
 print("compiled")
 """
 

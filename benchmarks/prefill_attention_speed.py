@@ -1,0 +1,79 @@
+"""One attention layer's prefill, three ways, on the GPU: the split-KV kernel the engine runs today for prefill
+rows (``paged_attention``), the tiled prefill kernel (``prefill_attention``) and torch's SDPA on contiguous K / V
+(FlashAttention when torch has it: the bound to reach, without a paged cache). Qwen3.5-0.8B attention shape
+(8 query / 2 kv heads of 256), bf16, block size 16, whole prompts as one chunk.
+
+    python3 benchmarks/prefill_attention_speed.py [--prompts 512 8192 32768] [--batch-sizes 1 8] [--json FILE]
+
+Prints ms per call and achieved TFLOP/s (causal: 2 * 2 * heads * D * L^2 / 2 per prompt) and a markdown table last.
+"""
+
+import argparse
+import json
+import time
+
+import torch
+import torch.nn.functional as F
+
+from truespec.kernels.paged_attention import paged_attention
+from truespec.kernels.prefill_attention import prefill_attention
+
+HEADS, KV_HEADS, D, BLOCK = 8, 2, 256, 16
+
+
+def _time(fn, iters: int = 5) -> float:
+    fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / iters
+
+
+def measure(prompt: int, batch_size: int) -> dict[str, float]:
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    blocks_per = -(-prompt // BLOCK)
+    cache = torch.randn(2, batch_size * blocks_per, BLOCK, KV_HEADS, D, device="cuda", dtype=torch.bfloat16,
+                        generator=gen)  # fmt: skip
+    q = torch.randn(batch_size * prompt, HEADS, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+    qsl = torch.arange(batch_size + 1, device="cuda") * prompt
+    seq_lens = torch.full((batch_size,), prompt, device="cuda")
+    tables = torch.arange(batch_size * blocks_per, device="cuda").view(batch_size, blocks_per)
+    args = (q, cache, qsl, seq_lens, tables, D**-0.5)
+    k = cache[0].view(batch_size, -1, KV_HEADS, D)[:, :prompt].transpose(1, 2).repeat_interleave(HEADS // KV_HEADS, 1)
+    v = cache[1].view(batch_size, -1, KV_HEADS, D)[:, :prompt].transpose(1, 2).repeat_interleave(HEADS // KV_HEADS, 1)
+    qb = q.view(batch_size, prompt, HEADS, D).transpose(1, 2)
+    flops = batch_size * 2 * HEADS * D * prompt * prompt  # QK^T + PV over the causal half
+    times = {"split_kv": _time(lambda: paged_attention(*args)), "prefill": _time(lambda: prefill_attention(*args)),
+             "sdpa": _time(lambda: F.scaled_dot_product_attention(qb, k, v, is_causal=True))}  # fmt: skip
+    ref, out = paged_attention(*args).float(), prefill_attention(*args).float()
+    return {"max_abs_diff": (ref - out).abs().max().item(),
+            **{f"{name}_ms": t * 1e3 for name, t in times.items()},
+            **{f"{name}_tflops": flops / t / 1e12 for name, t in times.items()}}  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--prompts", type=int, nargs="+", default=[512, 8192, 32768])
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    rows = {}
+    for prompt in args.prompts:
+        for bs in args.batch_sizes:
+            rows[f"{prompt}/{bs}"] = r = measure(prompt, bs)
+            print(f"prompt={prompt} BS={bs}: {r}", flush=True)
+    print(f"\n{torch.cuda.get_device_name()}: one attention layer's prefill, ms (TFLOP/s)")
+    print("| prompt, BS | split-KV kernel | prefill kernel | torch SDPA | max abs diff |")
+    print("|---|---:|---:|---:|---:|")
+    for key, r in rows.items():
+        cells = [f"{r[f'{n}_ms']:.2f} ({r[f'{n}_tflops']:.0f})" for n in ("split_kv", "prefill", "sdpa")]
+        print(f"| {key.replace('/', ', ')} | " + " | ".join(cells) + f" | {r['max_abs_diff']:.1e} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "results": rows}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

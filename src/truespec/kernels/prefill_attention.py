@@ -1,0 +1,192 @@
+"""Causal attention for prefill chunks, tiled over query tokens (FlashAttention-2 style) on the paged cache.
+
+The split-KV kernel (kernels/paged_attention.py) runs one program per (query token, kv head, split): every query
+row of a long prompt reloads the keys before it, so a chunk of L tokens over a context of S reads K / V L times.
+Here one program takes BLOCK_M consecutive query tokens of one request and the GQA group of one kv head, as
+``BLOCK_M * GROUP_PAD`` rows of one MMA operand (token-major: row i is token i // GROUP_PAD, query head
+i % GROUP_PAD of the group), and walks the request's keys 0 .. its last row's position in tiles of BLOCK_N with
+an online softmax: K / V are read once per BLOCK_M tokens, scores and P @ V are tensor-core MMAs for 16-bit models.
+Keys of earlier chunks come from the paged cache (the chunk's own keys were stored before this runs), in any cache
+dtype: each K / V tile is loaded or decoded by kernels/kv_tiles.py, as in the split-KV kernel.
+
+What a row computes depends on its position and the compile-time constants only: its key tiles start at absolute
+key 0 and step by BLOCK_N, and a tile past a row's position (reached because a later row of the program needs it)
+is an exact no-op for that row (its scores are -inf: m and l unchanged, alpha = exp(0) = 1, P = 0 adds 0). So a
+prompt position gives the same bits however the prompt is cut into chunks and whichever rows share its program.
+It need not match the split-KV kernel's bits: decode and verify rows never come here (docs/ARCHITECTURE.md,
+invariant 4 is about them).
+
+Programs: ``cdiv(T, BLOCK_M) + num_reqs`` (each request adds at most one partial tile) x kv heads; program t finds
+its request by binary search over the per-request tile offsets (computed on the device, no host read), programs
+past the last tile exit. Padding rows (past ``query_start_loc[-1]``) are never written. Eager only: the grid follows
+T, so it is for steps that run outside CUDA graphs (prefill steps).
+
+The block sizes are untuned (no GPU measurement yet): BLOCK_M 16, BLOCK_N 64, 4 warps.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from truespec.kernels.kv_tiles import CacheTiles, tile_pv, tile_queries, tile_scores
+from truespec.kernels.paged_attention import dot_dtype, model_cache_tiles
+from truespec.kernels.paged_attention_packed import KVFormat, packed_cache_tiles
+from truespec.kernels.triton_utils import (
+    find_request,
+    needs_dot_upcast,
+    pad_pow2,
+    reduce_max,
+    reduce_sum,
+    tl_compute_dtype,
+)
+
+BLOCK_M, BLOCK_N, NUM_WARPS = 16, 64, 4
+
+
+@triton.jit(do_not_specialize=["num_reqs", "stride_bt_req"])
+def _prefill_attention_kernel(
+    out_ptr,  # [T, num_heads, head_dim]
+    q_ptr,  # [T, num_heads, head_dim] (rotated, in the accumulator dtype, for Lloyd-Max keys)
+    kv_cache_ptr,
+    centroids_ptr,
+    query_start_loc_ptr,  # [R + 1]
+    seq_lens_ptr,  # [R]
+    block_tables_ptr,  # [R, max_blocks]
+    tile_offsets_ptr,  # [R + 1] first BLOCK_M tile of each request (cumulative cdiv(query_len, BLOCK_M))
+    num_reqs,
+    scale: tl.float64,
+    stride_q_tok,
+    stride_q_head,
+    stride_o_tok,
+    stride_o_head,
+    value_offset,
+    stride_cache_block,
+    stride_cache_slot,
+    stride_cache_head,
+    stride_bt_req,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,  # query tokens per program
+    BLOCK_N: tl.constexpr,  # keys per tile
+    ACC_DTYPE: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    UPCAST: tl.constexpr,
+    KEY_ENC: tl.constexpr,
+    KEY_BITS: tl.constexpr,
+    KEY_CODE_BYTES: tl.constexpr,
+    VALUE_ENC: tl.constexpr,
+    VALUE_BITS: tl.constexpr,
+    VALUE_CODE_BYTES: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    if tile >= tl.load(tile_offsets_ptr + num_reqs):
+        return
+    r = find_request(tile_offsets_ptr, num_reqs, tile)
+    q_start = tl.load(query_start_loc_ptr + r)
+    q_end = tl.load(query_start_loc_ptr + r + 1)
+    num_cached = tl.load(seq_lens_ptr + r) - (q_end - q_start)  # keys before the chunk
+    first = q_start + (tile - tl.load(tile_offsets_ptr + r)) * BLOCK_M  # the program's first token
+
+    i = tl.arange(0, BLOCK_M * GROUP_PAD)
+    token = first + i // GROUP_PAD
+    g = i % GROUP_PAD
+    is_row = (token < q_end) & (g < GROUP)
+    position = tl.where(is_row, num_cached + token - q_start, 0)  # [ROWS]
+    d = tl.arange(0, HEAD_DIM_PAD)
+    q_mask = is_row[:, None] & (d[None, :] < HEAD_DIM)
+    head = kv_head * GROUP + g
+    q = tl.load(q_ptr + token[:, None] * stride_q_tok + head[:, None] * stride_q_head + d[None, :], mask=q_mask,
+                other=0.0)  # fmt: skip
+    q, q_lo = tile_queries(q, KEY_ENC, ACC_DTYPE, DOT_DTYPE)
+    scale_acc = tl.full([], scale, ACC_DTYPE)
+
+    m = tl.full([BLOCK_M * GROUP_PAD], float("-inf"), ACC_DTYPE)
+    l = tl.full([BLOCK_M * GROUP_PAD], 0, ACC_DTYPE)
+    acc = tl.full([BLOCK_M * GROUP_PAD, HEAD_DIM_PAD], 0, ACC_DTYPE)
+    cache_head_ptr = kv_cache_ptr + kv_head * stride_cache_head
+    num_keys = num_cached + tl.minimum(first + BLOCK_M, q_end) - q_start  # the last row's position + 1
+    for tile_start in range(0, num_keys, BLOCK_N):
+        n = tile_start + tl.arange(0, BLOCK_N)
+        n_mask = n < num_keys
+        blocks = tl.load(block_tables_ptr + r * stride_bt_req + n // BLOCK_SIZE, mask=n_mask, other=0)
+        slot_off = blocks * stride_cache_block + (n % BLOCK_SIZE) * stride_cache_slot
+        kv_mask = n_mask[:, None] & (d[None, :] < HEAD_DIM)
+        s = tile_scores(q, q_lo, cache_head_ptr, slot_off, d, n_mask, kv_mask, centroids_ptr, KEY_ENC, KEY_BITS,
+                        KEY_CODE_BYTES, ACC_DTYPE, DOT_DTYPE, UPCAST)  # fmt: skip
+        s = tl.where(n[None, :] <= position[:, None], s * scale_acc, float("-inf"))  # causal (and n < num_keys)
+        m_new = tl.maximum(m, reduce_max(s, 1))  # finite: tile 0 holds key 0, which every row sees
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l = l * alpha + reduce_sum(p, 1)
+        acc = acc * alpha[:, None] + tile_pv(p, cache_head_ptr + value_offset, slot_off, d, n_mask, kv_mask,
+                                             VALUE_ENC, VALUE_BITS, VALUE_CODE_BYTES, ACC_DTYPE, DOT_DTYPE,
+                                             UPCAST)  # fmt: skip
+        m = m_new
+    out = acc / tl.where(l > 0, l, 1.0)[:, None]
+    o_ptrs = out_ptr + token[:, None] * stride_o_tok + head[:, None] * stride_o_head + d[None, :]
+    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=q_mask)
+
+
+def prefill_attention(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+    fmt: KVFormat | None = None,
+    block_m: int = BLOCK_M,
+    block_n: int = BLOCK_N,
+    num_warps: int = NUM_WARPS,
+) -> torch.Tensor:
+    """Causal attention of q [T, num_heads, head_dim] over the paged ``kv_cache``, as ``paged_attention`` (or
+    ``paged_attention_packed`` with ``fmt``, a packed kv_cache_dtype) computes it: query token i of request r
+    sits at position ``seq_lens[r] - query_len + i``. Rows past ``query_start_loc[-1]`` are left as they are in
+    ``out`` (zeros if allocated here). No host read. Returns ``out``."""
+    head_dim = q.shape[-1]
+    if fmt is None:
+        q_in, tiles = q, model_cache_tiles(q, kv_cache)
+    else:
+        q_in, tiles = packed_cache_tiles(q, kv_cache, fmt, head_dim)
+    if block_m < 1 or block_m & (block_m - 1) or block_n < 16 or block_n & (block_n - 1):
+        raise ValueError(f"block_m {block_m} and block_n {block_n} must be powers of two, block_n >= 16")
+    out = torch.zeros_like(q) if out is None else out
+    num_tokens, num_heads, _ = q.shape
+    num_reqs = seq_lens.shape[0]
+    if num_tokens == 0 or num_reqs == 0:
+        return out
+    group = num_heads // tiles.num_kv_heads
+    if block_m * pad_pow2(group, 1) < 16:
+        raise ValueError(f"block_m {block_m} x GQA group {group} must give >= 16 rows (tl.dot)")
+    tile_offsets = _tile_offsets(query_start_loc, block_m)
+    grid = (triton.cdiv(num_tokens, block_m) + num_reqs, tiles.num_kv_heads)
+    _launch(grid, out, q_in, tiles, query_start_loc, seq_lens, block_tables, tile_offsets, scale, group, block_m,
+            block_n, num_warps)  # fmt: skip
+    return out
+
+
+def _tile_offsets(query_start_loc: torch.Tensor, block_m: int) -> torch.Tensor:
+    """[R + 1]: request r's query tiles are tile_offsets[r] .. tile_offsets[r + 1] - 1 (on the device)."""
+    query_lens = query_start_loc[1:] - query_start_loc[:-1]
+    tiles = torch.div(query_lens + block_m - 1, block_m, rounding_mode="floor")
+    return torch.cat([torch.zeros_like(tiles[:1]), torch.cumsum(tiles, 0)])
+
+
+def _launch(grid: tuple[int, int], out: torch.Tensor, q: torch.Tensor, tiles: CacheTiles,
+            query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
+            tile_offsets: torch.Tensor, scale: float, group: int, block_m: int, block_n: int,
+            num_warps: int) -> None:  # fmt: skip
+    head_dim = q.shape[-1]
+    _prefill_attention_kernel[grid](
+        out, q, tiles.cache, tiles.centroids, query_start_loc, seq_lens, block_tables, tile_offsets,
+        seq_lens.shape[0], scale, q.stride(0), q.stride(1), out.stride(0), out.stride(1), tiles.value_offset,
+        *tiles.strides, block_tables.stride(0),
+        HEAD_DIM=head_dim, HEAD_DIM_PAD=pad_pow2(head_dim), GROUP=group, GROUP_PAD=pad_pow2(group, 1),
+        BLOCK_SIZE=tiles.block_size, BLOCK_M=block_m, BLOCK_N=block_n, ACC_DTYPE=tl_compute_dtype(out.dtype),
+        DOT_DTYPE=dot_dtype(out.dtype), UPCAST=needs_dot_upcast(out.dtype), num_warps=num_warps, **tiles.encoding,
+    )  # fmt: skip
