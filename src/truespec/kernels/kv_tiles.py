@@ -49,10 +49,12 @@ class CacheTiles(NamedTuple):
 @triton.jit
 def unpack_codes(base_ptr, idx, mask, BITS: tl.constexpr, NUM_BYTES: tl.constexpr):
     """Codes ``idx`` (any int tensor) of a packed little-endian bit stream at ``base_ptr`` (NUM_BYTES bytes),
-    as int32: code j is bits [j * BITS, (j + 1) * BITS); it may straddle two bytes."""
+    as int32: code j is bits [j * BITS, (j + 1) * BITS); a 3-bit code may straddle two bytes."""
     bit = idx * BITS
     byte = bit // 8
     lo = tl.load(base_ptr + byte, mask=mask, other=0).to(tl.int32)
+    if 8 % BITS == 0:  # 4- and 8-bit codes never straddle a byte: one load
+        return (lo >> (bit % 8)) & ((1 << BITS) - 1)
     hi = tl.load(base_ptr + byte + 1, mask=mask & (byte + 1 < NUM_BYTES), other=0).to(tl.int32)
     return ((lo | (hi << 8)) >> (bit % 8)) & ((1 << BITS) - 1)
 
