@@ -8,7 +8,8 @@
 #
 #   bash benchmarks/gpu_suite.sh [PARTS...]     # PARTS: tests tune timing profile compare spec (default: all)
 #                                               # also, not in the default: kv (compressed-cache decode speed),
-#                                               # governor (speculation vs none, governor auto / off), serve (load)
+#                                               # governor (speculation vs none, governor auto / off), serve (load),
+#                                               # prefill (one attention layer's prefill: split-KV vs tiled vs SDPA)
 #
 # fla-core (optional; transformers' best GDN path and truespec's chunked prefill) is installed from .whl/ if there.
 set -u
@@ -73,4 +74,9 @@ if has serve; then
     timeout 150 python3 benchmarks/serve_load.py --clients 32 --duration 60 --max-tokens 64 \
         --json "$OUT/serve_load.json" -- --dtype bfloat16 --max-num-seqs 32 > "$OUT/serve_load.txt" 2>&1
     tail -12 "$OUT/serve_load.txt"
+fi
+if has prefill; then
+    timeout 200 python3 benchmarks/prefill_attention_speed.py --json "$OUT/prefill_attention_speed.json" \
+        > "$OUT/prefill_attention_speed.txt" 2>&1
+    tail -9 "$OUT/prefill_attention_speed.txt"
 fi
