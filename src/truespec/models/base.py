@@ -44,6 +44,12 @@ def run_decoder_layers(
     return norm.add_norm(h, residual)[0]
 
 
+def embedding(num_embeddings: int, embedding_dim: int) -> nn.Embedding:
+    """``nn.Embedding`` without its random init: every model is built on the meta device and loaded from a
+    checkpoint (models/loader.py), and ``normal_`` on a meta tensor imports torch._dynamo (~2 s of ``LLM()``)."""
+    return nn.Embedding(num_embeddings, embedding_dim, _weight=torch.empty(num_embeddings, embedding_dim))
+
+
 class DecoderModel(nn.Module):
     """The decoder stack: embeddings -> layers (each given the step's RoPE cos/sin) -> final norm.
     Subclasses build ``embed_tokens``, ``layers``, ``norm`` and ``rotary_emb``."""
