@@ -17,6 +17,7 @@ import torch
 
 from truespec.ops.activation import get_activation
 from truespec.ops.gdn import l2norm
+from truespec.ops.precision import compute_dtype
 from truespec.ops.state_slots import StateSlots, gather_states
 
 
@@ -66,9 +67,12 @@ def causal_conv1d_batched(x: torch.Tensor, weight: torch.Tensor, conv_state: tor
     width = weight.shape[1] - 1
     windows = gather_states(conv_state, slots.state_src)  # [R, C, K-1], read before any slot is written
     inputs = torch.cat([x[: rows.num_tokens], windows.transpose(1, 2).reshape(-1, channels)])
-    y = inputs[rows.taps[:, 0]] * weight[:, 0]
+    cdt = compute_dtype(x.dtype)  # taps summed in fp32 for 16-bit models (as conv1d does), rounded once
+    inputs_c, weight_c = inputs.to(cdt), weight.to(cdt)
+    y = inputs_c[rows.taps[:, 0]] * weight_c[:, 0]
     for j in range(1, width + 1):
-        y = y + inputs[rows.taps[:, j]] * weight[:, j]
+        y = y + inputs_c[rows.taps[:, j]] * weight_c[:, j]
+    y = y.to(x.dtype)
     out = torch.zeros_like(x)
     out[: rows.num_tokens] = get_activation(activation)(y) if activation else y
     window_rows, window_slots = rows.kept_windows
