@@ -17,7 +17,8 @@ they never write KV or state (invariant 3).
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -38,6 +39,9 @@ class ForwardContext:
     # (state_src, state_dst, state_write_start) of the real requests on the host, where the builder has them
     # (eager paths that pick a kernel per request, e.g. GDN chunked prefill); None: not known on the host.
     state_cpu: tuple[list[int], list[int], list[int]] | None = None
+    # What the CPU path's layers derive from the metadata once per forward and share (ops/gdn_batched.StepRows);
+    # emptied whenever the context is set, since a reused context's tensors may have moved in place.
+    host_cache: dict[str, Any] = field(default_factory=dict)
 
     @property
     def num_reqs(self) -> int:
@@ -62,6 +66,7 @@ def set_forward_context(ctx: ForwardContext) -> Iterator[None]:
     global _current
     if _current is not None:
         raise RuntimeError("set_forward_context does not nest: a forward is already running")
+    ctx.host_cache.clear()
     _current = ctx
     try:
         yield

@@ -3,8 +3,7 @@
 import threading
 from collections.abc import Sequence as Seq
 from dataclasses import replace
-
-from tqdm.auto import tqdm
+from typing import Any
 
 from truespec.config import EngineConfig
 from truespec.engine.llm_engine import LLMEngine, PromptType
@@ -54,7 +53,7 @@ class LLM:
         try:
             for request in requests:
                 engine.add(request)
-            with tqdm(total=len(requests), desc="generate", disable=not use_tqdm or len(requests) < 2) as bar:
+            with _progress_bar(len(requests), use_tqdm and len(requests) >= 2) as bar:
                 while any(not request.is_finished for request in requests):
                     done = engine.step()
                     outputs.update((out.request_id, out) for out in done)
@@ -65,6 +64,26 @@ class LLM:
             raise
         # a request aborted from elsewhere finished without a step: its output is built here
         return [outputs.get(request.request_id) or engine.final_output(request) for request in requests]
+
+
+class _NoBar:
+    def __enter__(self) -> "_NoBar":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+    def update(self, n: int) -> None:
+        pass
+
+
+def _progress_bar(total: int, enabled: bool) -> Any:
+    """tqdm's bar for a batch, imported only when one is shown (it costs ~0.1 s of ``import truespec``)."""
+    if not enabled:
+        return _NoBar()
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc="generate")
 
 
 def _engine_config(model: str | None, kwargs: dict[str, object]) -> EngineConfig:

@@ -1,8 +1,13 @@
 """Loading a model directory's tokenizer (offline) with a clear error when it is missing or empty."""
 
-from pathlib import Path
+from __future__ import annotations
 
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
 
 # the files one of which every transformers tokenizer is saved with
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
@@ -17,6 +22,8 @@ def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
     if not any((root / name).is_file() for name in TOKENIZER_FILES):
         raise ValueError(f"{path} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}): {HINT}")
     try:
+        from transformers import AutoTokenizer  # imported when a tokenizer is loaded, not with truespec
+
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError) as e:
         raise ValueError(f"could not load a tokenizer from {path}: {e}") from e

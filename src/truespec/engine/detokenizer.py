@@ -6,7 +6,12 @@ whose decode depends on the token before (leading spaces). So each step decodes 
 window's text ends in U+FFFD (an incomplete UTF-8 sequence), nothing is emitted and the window grows.
 """
 
-from transformers import PreTrainedTokenizerBase
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 INCOMPLETE = "\ufffd"
 

@@ -7,15 +7,19 @@ Request ids come from one counter, drawn under a lock (the server's engine threa
 requests).
 """
 
+from __future__ import annotations
+
 import itertools
 import threading
-
-from transformers import PreTrainedTokenizerBase
+from typing import TYPE_CHECKING
 
 from truespec.core.sequence import Sequence
 from truespec.engine.parallel_sampling import ParentRequest
 from truespec.sampling_params import SamplingParams
 from truespec.structured_output.manager import StructuredOutputManager
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 PromptType = str | dict
 Request = Sequence | ParentRequest  # what make_request builds: one sequence, or n > 1 children under a parent

@@ -5,15 +5,19 @@ The engine calls ``process`` once per request per step with the tokens the runne
 The server's streaming and ``truespec bench``'s TTFT / TPOT read what this produces.
 """
 
-import time
+from __future__ import annotations
 
-from transformers import PreTrainedTokenizerBase
+import time
+from typing import TYPE_CHECKING
 
 from truespec.core.sequence import Sequence
 from truespec.engine.detokenizer import IncrementalDetokenizer
 from truespec.engine.stop_checker import StopChecker
 from truespec.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from truespec.sampling_params import RequestOutputKind
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 class OutputProcessor:

@@ -1,10 +1,14 @@
 """When a request stops: EOS, stop token ids, stop strings (on decoded text), max tokens, min tokens."""
 
-from pathlib import Path
+from __future__ import annotations
 
-from transformers import GenerationConfig, PretrainedConfig, PreTrainedTokenizerBase
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 from truespec.core.sequence import Sequence
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 
 class StopChecker:
@@ -58,6 +62,8 @@ def _eos_token_ids(tokenizer: PreTrainedTokenizerBase | None, hf_config: Pretrai
     path = Path(model_dir) / "generation_config.json"
     if path.is_file():
         try:
+            from transformers import GenerationConfig  # imported when an engine starts, not with truespec
+
             sources.append(GenerationConfig.from_pretrained(model_dir, local_files_only=True).eos_token_id)
         except (OSError, TypeError, ValueError) as e:  # transformers: OSError for bad JSON, TypeError for a list
             reason = e.__context__ if isinstance(e.__context__, ValueError) else e  # the JSON error, if any

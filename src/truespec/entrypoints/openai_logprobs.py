@@ -1,9 +1,13 @@
 """A CompletionOutput's logprobs (per token ``{token_id: logprob}``: the sampled token and the top ones) in the
 OpenAI shapes: chat's ``{"content": [...]}`` and the legacy completions' ``tokens / token_logprobs / ...``."""
 
-from typing import Any
+from __future__ import annotations
 
-from transformers import PreTrainedTokenizerBase
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
 
 TokenLogprobs = list[dict[int, float]]
 

@@ -13,6 +13,7 @@ A drafter with its own layers gets caches of the same block and slot counts: it 
 tables and state groups (``spec_decode/model_drafter.py``).
 """
 
+import numpy as np
 import torch
 
 from truespec.kv_cache.config import CacheConfig
@@ -72,16 +73,25 @@ def allocate_caches(model: torch.nn.Module, num_blocks: int, block_size: int, nu
     for layer, fmt in zip(model.attention_layers(), layer_formats(model, kv_cache_dtype), strict=True):
         if fmt.name == "auto":
             layer.kv_format = None
-            layer.kv_cache = torch.zeros(layer.kv_cache_shape(num_blocks, block_size), dtype=model.dtype,
-                                         device=device)
+            layer.kv_cache = zeros(layer.kv_cache_shape(num_blocks, block_size), model.dtype, device)
         else:  # one slot per token and KV head: its key part, then its value part
             layer.kv_format = fmt
-            layer.kv_cache = torch.zeros(num_blocks, block_size, layer.num_kv_heads,
-                                         fmt.bytes_per_token(layer.head_dim), dtype=torch.uint8, device=device)
+            layer.kv_cache = zeros((num_blocks, block_size, layer.num_kv_heads, fmt.bytes_per_token(layer.head_dim)),
+                                   torch.uint8, device)
     for layer in model.gdn_layers():
         (conv_shape, ssm_shape), (conv_dtype, ssm_dtype) = layer.state_shapes(), layer.state_dtypes()
-        layer.conv_state = torch.zeros(num_state_slots, *conv_shape, dtype=conv_dtype, device=device)
-        layer.ssm_state = torch.zeros(num_state_slots, *ssm_shape, dtype=ssm_dtype, device=device)
+        layer.conv_state = zeros((num_state_slots, *conv_shape), conv_dtype, device)
+        layer.ssm_state = zeros((num_state_slots, *ssm_shape), ssm_dtype, device)
+
+
+def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zeroed cache tensor. On the CPU its pages come zeroed from the OS on first touch (numpy's calloc of a
+    large buffer maps fresh pages) instead of being written up front: the default 4 GiB CPU pool costs neither
+    seconds of ``LLM()`` nor memory its requests never reach."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    num_bytes = _numel(shape) * _element_size(dtype)
+    return torch.from_numpy(np.zeros(num_bytes, dtype=np.uint8)).view(dtype).view(shape)
 
 
 def _element_size(dtype: torch.dtype) -> int:

@@ -1,9 +1,15 @@
 """How many KV blocks the pool gets, and the longest sequence the engine accepts."""
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
 import torch
-from transformers import PretrainedConfig
 
 from truespec.kv_cache.config import CacheConfig
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 
 def resolve_max_model_len(max_model_len: int | None, hf_config: PretrainedConfig) -> int:

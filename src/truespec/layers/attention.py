@@ -14,7 +14,14 @@ from torch import nn
 
 from truespec.forward_context import get_forward_context
 from truespec.layers.backend import kernels, use_kernels
-from truespec.ops.attention import SparseV, paged_attention_ref, reshape_and_cache_ref, store_packed_ref
+from truespec.ops.attention import (
+    SlotDecoder,
+    SparseV,
+    paged_attention_ref,
+    reshape_and_cache_ref,
+    store_packed_ref,
+)
+from truespec.ops.attention_batched import paged_attention_batched
 
 
 class PagedAttention(nn.Module):
@@ -61,12 +68,20 @@ class PagedAttention(nn.Module):
             num_tokens = ctx.slot_mapping.shape[0]
             store_packed_ref(self.kv_format.encode(k[:num_tokens], v[:num_tokens]), self.kv_cache, ctx.slot_mapping)
             decode = functools.partial(self.kv_format.decode, head_dim=self.head_dim, dtype=q.dtype)
-            return paged_attention_ref(q, self.kv_cache, *meta, self.scale, decode=decode, sparse_v=self.sparse_v)
+            return self._attend_torch(q, meta, decode)
         if use_kernels(q):  # one Triton kernel for decode, verify and prefill rows (invariant 4)
             kernels().reshape_and_cache(k, v, self.kv_cache, ctx.slot_mapping)
             return kernels().paged_attention(q, self.kv_cache, *meta, self.scale, **skip)
         reshape_and_cache_ref(k, v, self.kv_cache, ctx.slot_mapping)
-        return paged_attention_ref(q, self.kv_cache, *meta, self.scale, sparse_v=self.sparse_v)
+        return self._attend_torch(q, meta, None)
+
+    def _attend_torch(self, q: torch.Tensor, meta: tuple[torch.Tensor, ...],
+                      decode: SlotDecoder | None) -> torch.Tensor:
+        """The torch path: every request of the step at once (ops/attention_batched.py); with the sparse-V skip,
+        the reference that follows the kernels' tiles and splits."""
+        if self.sparse_v is not None:
+            return paged_attention_ref(q, self.kv_cache, *meta, self.scale, decode=decode, sparse_v=self.sparse_v)
+        return paged_attention_batched(q, self.kv_cache, *meta, self.scale, decode=decode)
 
     def extra_repr(self) -> str:
         return f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}"

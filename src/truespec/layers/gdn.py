@@ -17,9 +17,10 @@ from truespec.layers.backend import kernels, use_kernels
 from truespec.layers.linear import Linear, MergedLinear, use_checkpoint_names
 from truespec.layers.norm import GatedRMSNorm
 from truespec.ops.activation import get_activation
-from truespec.ops.conv import causal_conv1d_ref
-from truespec.ops.gdn import gdn_gating_ref, gdn_recurrent_ref
+from truespec.ops.gdn import gdn_gating_ref
+from truespec.ops.gdn_batched import StepRows, causal_conv1d_batched, gdn_recurrent_batched
 from truespec.ops.precision import compute_dtype
+from truespec.ops.state_slots import StateSlots
 
 
 def _use_chunked_prefill(x: torch.Tensor, ctx: ForwardContext) -> bool:
@@ -91,13 +92,22 @@ class GatedDeltaNet(nn.Module):
         ctx = get_forward_context()
         if use_kernels(x):
             return self._forward_kernels(x, ctx)
-        meta = (ctx.query_start_loc, ctx.state_src, ctx.state_dst, ctx.state_write_start)
+        slots, rows = self._step_rows(ctx)
         mixed_qkv, z, b, a = self.in_proj.split(self.in_proj(x))  # [T, conv_dim], [T, value_dim], [T, HV] x 2
         g, beta = gdn_gating_ref(a, b, self.A_log, self.dt_bias)  # [T, HV] each, compute dtype
-        conv_out = causal_conv1d_ref(mixed_qkv, self.conv1d.weight, self.conv_state, *meta, self.hidden_act)
-        core = gdn_recurrent_ref(*self._split_heads(conv_out), g, beta, self.ssm_state, *meta)
+        conv_out = causal_conv1d_batched(mixed_qkv, self.conv1d.weight, self.conv_state, slots, rows, self.hidden_act)
+        core = gdn_recurrent_batched(*self._split_heads(conv_out), g, beta, self.ssm_state, rows)
         core = self.norm(core, z.unflatten(-1, (self.num_v_heads, self.head_v_dim)))
         return self.out_proj(core.reshape(x.shape[0], self.value_dim))
+
+    def _step_rows(self, ctx: ForwardContext) -> tuple[StateSlots, StepRows]:
+        """The step's slot metadata on the host and its index tensors, built by the first GDN layer of a forward and
+        shared by the others (ForwardContext.host_cache)."""
+        key = f"gdn_rows_{self.conv_kernel}"
+        if key not in ctx.host_cache:
+            slots = StateSlots.from_tensors(ctx.query_start_loc, ctx.state_src, ctx.state_dst, ctx.state_write_start)
+            ctx.host_cache[key] = slots, StepRows.of(slots, self.conv_kernel)
+        return ctx.host_cache[key]
 
     def _forward_kernels(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """The same layer through the Triton kernels: no host sync, graph-safe (tests/test_gdn_kernels.py). A decode

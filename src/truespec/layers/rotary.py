@@ -12,7 +12,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from truespec.layers.backend import kernels, use_kernels
 from truespec.layers.norm import RMSNorm
@@ -41,11 +40,13 @@ def rope_from_config(config: Any, head_dim: int) -> "RotaryEmbedding":
     with torch.device("cpu"):
         if rope_type == "default":
             inv_freq, scaling = _default_inv_freq(float(params["rope_theta"]), rotary_dim), 1.0
-        elif rope_type in ROPE_INIT_FUNCTIONS:
+        else:  # transformers is imported only for the scaled variants
+            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+            if rope_type not in ROPE_INIT_FUNCTIONS:
+                supported = ["default", *sorted(set(ROPE_INIT_FUNCTIONS) - set(_BATCH_DEPENDENT_ROPE))]
+                raise ValueError(f"unknown rope_type {rope_type!r}; supported: {supported}")
             inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
-        else:
-            supported = ["default", *sorted(set(ROPE_INIT_FUNCTIONS) - set(_BATCH_DEPENDENT_ROPE))]
-            raise ValueError(f"unknown rope_type {rope_type!r}; supported: {supported}")
     if 2 * inv_freq.numel() != rotary_dim:
         raise ValueError(f"rope_type {rope_type!r} gave {inv_freq.numel()} frequencies for rotary dim {rotary_dim}")
     return RotaryEmbedding(head_dim, rotary_dim, inv_freq.float(), float(scaling))

@@ -44,6 +44,15 @@ def run_decoder_layers(
     return norm.add_norm(h, residual)[0]
 
 
+def embedding(num_embeddings: int, embedding_dim: int) -> nn.Embedding:
+    """``nn.Embedding``, without its random init on the meta device (where the loader builds every model before
+    filling it from a checkpoint): ``normal_`` on a meta tensor imports torch._dynamo (~2 s of ``LLM()``)."""
+    weight = torch.empty(num_embeddings, embedding_dim)
+    if not weight.is_meta:
+        nn.init.normal_(weight)  # nn.Embedding's own init, for a model built on a real device
+    return nn.Embedding(num_embeddings, embedding_dim, _weight=weight)
+
+
 class DecoderModel(nn.Module):
     """The decoder stack: embeddings -> layers (each given the step's RoPE cos/sin) -> final norm.
     Subclasses build ``embed_tokens``, ``layers``, ``norm`` and ``rotary_emb``."""

@@ -8,15 +8,16 @@ decoder layer's Qwen3 config under ``layer_config``) and ``model.safetensors`` (
 ``norm.*``).
 """
 
+from __future__ import annotations
+
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
-from transformers import Qwen3Config
 
 from truespec.layers.linear import Linear
 from truespec.layers.norm import RMSNorm
@@ -25,6 +26,9 @@ from truespec.models.base import CausalLM
 from truespec.models.draft_head import HiddenStateDraftHead
 from truespec.models.llama import LlamaDecoderLayer, head_dim_of
 from truespec.models.mtp import load_state
+
+if TYPE_CHECKING:
+    from transformers import Qwen3Config
 
 MODEL_TYPE = "truespec_eagle"
 
@@ -70,6 +74,8 @@ def read_eagle_config(directory: str | Path, hidden_size: int) -> Qwen3Config:
         raise ValueError(f"cannot parse {root / 'config.json'}: {e}") from e
     if not isinstance(raw, dict) or raw.get("model_type") != MODEL_TYPE or "layer_config" not in raw:
         raise ValueError(f"{root / 'config.json'} is not an EAGLE head (model_type must be {MODEL_TYPE!r})")
+    from transformers import Qwen3Config  # imported when a head is read, not with truespec
+
     config = Qwen3Config(**raw["layer_config"])
     if config.hidden_size != hidden_size:
         raise ValueError(f"EAGLE head hidden_size {config.hidden_size} != the target's {hidden_size}")

@@ -10,7 +10,7 @@ from truespec.layers.linear import Linear, MergedLinear, use_checkpoint_names
 from truespec.layers.mlp import GatedMLP
 from truespec.layers.norm import RMSNorm
 from truespec.layers.rotary import apply_qk_norm_rotary, rope_from_config
-from truespec.models.base import CausalLM, DecoderModel
+from truespec.models.base import CausalLM, DecoderModel, embedding
 
 
 def head_dim_of(config: Any) -> int:
@@ -69,7 +69,7 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(DecoderModel):
     def __init__(self, config: Any, qk_norm: bool) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList([LlamaDecoderLayer(config, qk_norm) for _ in range(config.num_hidden_layers)])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = rope_from_config(config, head_dim_of(config))

@@ -5,19 +5,23 @@ Multimodal checkpoints (``qwen3_5``) nest the text config under ``text_config`` 
 part of the model but are returned in ``LoadedModel.mtp_weights`` for an MTP drafter.
 """
 
+from __future__ import annotations
+
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors import SafetensorError, safe_open
-from transformers import AutoConfig, PretrainedConfig
 
 from truespec.dtypes import DTYPE_NAMES
 from truespec.models.base import CausalLM
 from truespec.models.registry import get_model_class
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 _DTYPES: dict[str, torch.dtype] = {name: getattr(torch, attr) for name, attr in DTYPE_NAMES.items()}
 _INDEX_FILE = "model.safetensors.index.json"
@@ -67,6 +71,8 @@ def _read_config(root: Path) -> tuple[PretrainedConfig, type[CausalLM]]:
     except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as e:
         raise ValueError(f"cannot parse {config_path}: {e}") from e
     cls = get_model_class(str(model_type))  # before AutoConfig: our error names what *we* support
+    from transformers import AutoConfig  # imported when a model is loaded, not with truespec
+
     return AutoConfig.from_pretrained(root, local_files_only=True), cls
 
 
@@ -169,7 +175,9 @@ def load_model(
     files = _weight_files(root)
     with torch.device("meta"):  # no host allocation or random init for weights we overwrite anyway
         model = cls(text_config, tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)))
-    model = model.to(dtype).to_empty(device=device)
+    # to_empty's empty_like on meta tensors runs torch's Python refs, which import sympy (~1 s): torch.empty instead
+    model = model._apply(lambda t: torch.empty(t.shape, dtype=dtype if t.is_floating_point() else t.dtype,
+                                               device=device))
     mtp_weights = _load_weights(model, files, dtype, device)
     model.init_buffers(device)
     model.eval().requires_grad_(False)

@@ -16,7 +16,7 @@ from truespec.layers.linear import Linear, MergedLinear, use_checkpoint_names
 from truespec.layers.mlp import GatedMLP
 from truespec.layers.norm import RMSNorm
 from truespec.layers.rotary import apply_qk_norm_rotary, rope_from_config
-from truespec.models.base import CausalLM, DecoderModel
+from truespec.models.base import CausalLM, DecoderModel, embedding
 
 _LAYER_TYPES = ("linear_attention", "full_attention")
 
@@ -89,7 +89,7 @@ class Qwen3_5TextModel(DecoderModel):
         unknown = sorted(set(config.layer_types) - set(_LAYER_TYPES))
         if unknown:
             raise ValueError(f"qwen3_5: unsupported layer_types {unknown}; supported: {list(_LAYER_TYPES)}")
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = embedding(config.vocab_size, config.hidden_size)
         layer_types = config.layer_types[: config.num_hidden_layers]
         self.layers = nn.ModuleList([Qwen3_5DecoderLayer(config, t) for t in layer_types])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, unit_offset=True)

@@ -6,15 +6,18 @@ grammar's stop tokens: EOS is allowed exactly where the grammar may end. Compile
 LRU cache keyed by the constraint's canonical text, so a schema that many requests share compiles once.
 """
 
+from __future__ import annotations
+
 import json
 import os
 import re
 from collections import OrderedDict
-from typing import Any
-
-from transformers import PreTrainedTokenizerBase
+from typing import TYPE_CHECKING, Any
 
 from truespec.sampling_params import StructuredOutputsParams
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 CACHE_SIZE = 256  # compiled grammars kept (least recently used dropped first)
 JSON_OBJECT_SCHEMA = '{"type": "object"}'  # json_object: any JSON object (vLLM compiles the same schema)

@@ -11,15 +11,19 @@ matcher accepts the emitted tokens (the accepted drafts and the new token): it h
 output so far, which a preemption (re-prefill of the same tokens) does not change.
 """
 
+from __future__ import annotations
+
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from transformers import PreTrainedTokenizerBase
 
 from truespec.core.scheduler_output import ScheduledRequest
 from truespec.sampling_params import SamplingParams
 from truespec.structured_output.compiler import GrammarCompiler
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger("truespec")
 

@@ -1,0 +1,124 @@
+"""The CPU path's batched ops (ops/attention_batched.py, ops/gdn_batched.py) against the request-by-request torch
+references, and a row's bits alone and inside bigger batches (docs/ARCHITECTURE.md invariant 4)."""
+
+import pytest
+import torch
+
+from helpers.attention_rows import attention_batch, model_cache, packed_batch, packed_cache, rows_alone_and_in_batches
+from helpers.kernels import assert_near
+from truespec.kv_cache.formats import kv_format
+from truespec.ops.attention import paged_attention_ref
+from truespec.ops.attention_batched import TILE, paged_attention_batched
+from truespec.ops.conv import causal_conv1d_ref
+from truespec.ops.gdn import gdn_recurrent_ref
+from truespec.ops.gdn_batched import StepRows, causal_conv1d_batched, gdn_recurrent_batched
+from truespec.ops.state_slots import StateSlots
+
+RAGGED = [(0, 7), (37, 1), (0, 1), (150, 4), (9, 20), (300, 1), (5, 3)]  # (num_cached, query_len)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_batched_attention_matches_reference_on_ragged_batch(dtype: torch.dtype) -> None:
+    args = attention_batch(RAGGED, num_heads=4, num_kv_heads=2, head_dim=16, dtype=dtype, seed=3)
+    out = paged_attention_batched(*args)
+    assert_near(out, paged_attention_ref(*args), dtype)
+    assert torch.equal(out[-2:], torch.zeros_like(out[-2:]))  # padding rows
+
+
+def test_batched_attention_matches_reference_over_packed_cache() -> None:
+    fmt = kv_format("turboquant_k8v4")
+    q, cache, qsl, lens, tables, scale = packed_batch(fmt, RAGGED, 4, 2, 16, 4, torch.float32, seed=5)
+    decode = lambda slots: fmt.decode(slots, head_dim=16, dtype=torch.float32)  # noqa: E731
+    args = (q, cache, qsl, lens, tables, scale)
+    assert_near(paged_attention_batched(*args, decode=decode), paged_attention_ref(*args, decode=decode), torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("context", [20, TILE + 3, 2 * TILE])
+def test_batched_attention_row_is_bitwise_same_alone_and_in_batches(dtype: torch.dtype, context: int) -> None:
+    alone, *batched = rows_alone_and_in_batches(paged_attention_batched, model_cache(dtype, 4), 4, 2, 16, 4,
+                                                context, 3, dtype, row_bytes=0)  # fmt: skip
+    for out in batched:
+        assert torch.equal(alone, out)
+
+
+def test_batched_attention_row_is_bitwise_same_alone_and_in_batches_packed() -> None:
+    fmt = kv_format("turboquant_4bit_nc")
+
+    def attend(q: torch.Tensor, cache: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+        decode = lambda slots: fmt.decode(slots, head_dim=16, dtype=q.dtype)  # noqa: E731
+        return paged_attention_batched(q, cache, *args, decode=decode)
+
+    alone, *batched = rows_alone_and_in_batches(attend, packed_cache(fmt, 4), 4, 2, 16, 4, 40, 3, torch.float32,
+                                                row_bytes=0)  # fmt: skip
+    for out in batched:
+        assert torch.equal(alone, out)
+
+
+# ---- GDN: conv and recurrence ---------------------------------------------------------------------
+# (query_len, state_src, state_dst, state_write_start): a prefill from zeros, decodes, verifies that keep every
+# position (one restarting inside its own group), a padding request, a chunk that keeps its last state
+GDN_ROWS = [(6, -1, 0, 5), (1, 4, 4, 0), (4, 9, 8, 0), (1, 2, 12, 0), (0, -1, -1, 0), (3, 17, 16, 0), (9, 21, 20, 8)]
+
+
+def gdn_case(rows: list[tuple[int, int, int, int]], dtype: torch.dtype, seed: int = 0) -> dict:
+    gen = torch.Generator().manual_seed(seed)
+    num_tokens, num_slots = sum(r[0] for r in rows), 24
+    qsl = [0]
+    for n, *_ in rows:
+        qsl.append(qsl[-1] + n)
+    meta = tuple(torch.tensor(x) for x in (qsl, [r[1] for r in rows], [r[2] for r in rows], [r[3] for r in rows]))
+    pad = 2  # token rows no request owns
+    cdt = torch.float64 if dtype == torch.float64 else torch.float32
+    return dict(
+        x=torch.randn(num_tokens + pad, 12, generator=gen, dtype=torch.float64).to(dtype),
+        weight=torch.randn(12, 4, generator=gen, dtype=torch.float64).to(dtype),
+        conv_state=torch.randn(num_slots, 12, 3, generator=gen, dtype=torch.float64).to(dtype),
+        q=torch.randn(num_tokens + pad, 2, 8, generator=gen, dtype=torch.float64).to(dtype),
+        k=torch.randn(num_tokens + pad, 2, 8, generator=gen, dtype=torch.float64).to(dtype),
+        v=torch.randn(num_tokens + pad, 4, 6, generator=gen, dtype=torch.float64).to(dtype),
+        g=-torch.rand(num_tokens + pad, 4, generator=gen, dtype=torch.float64).to(cdt),
+        beta=torch.rand(num_tokens + pad, 4, generator=gen, dtype=torch.float64).to(cdt),
+        ssm_state=torch.randn(num_slots, 4, 8, 6, generator=gen, dtype=torch.float64).to(cdt),
+        meta=meta,
+    )
+
+
+def run_batched(case: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    conv_state, ssm_state = case["conv_state"].clone(), case["ssm_state"].clone()
+    slots = StateSlots.from_tensors(*case["meta"])
+    rows = StepRows.of(slots, 4)
+    conv = causal_conv1d_batched(case["x"], case["weight"], conv_state, slots, rows)
+    core = gdn_recurrent_batched(case["q"], case["k"], case["v"], case["g"], case["beta"], ssm_state, rows)
+    return conv, conv_state, core, ssm_state
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_batched_gdn_matches_reference(dtype: torch.dtype) -> None:
+    case = gdn_case(GDN_ROWS, dtype)
+    conv, conv_state, core, ssm_state = run_batched(case)
+    ref_conv_state, ref_ssm_state = case["conv_state"].clone(), case["ssm_state"].clone()
+    ref_conv = causal_conv1d_ref(case["x"], case["weight"], ref_conv_state, *case["meta"])
+    ref_core = gdn_recurrent_ref(case["q"], case["k"], case["v"], case["g"], case["beta"], ref_ssm_state, *case["meta"])
+    assert_near(conv, ref_conv, dtype)
+    assert torch.equal(conv_state, ref_conv_state)  # windows are copies of inputs
+    assert_near(core, ref_core, dtype)
+    assert_near(ssm_state, ref_ssm_state, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_batched_gdn_request_is_bitwise_same_alone_and_in_batch(dtype: torch.dtype) -> None:
+    case = gdn_case(GDN_ROWS, dtype)
+    conv, conv_state, core, ssm_state = run_batched(case)
+    qsl = case["meta"][0].tolist()
+    for r, (n, src, dst, write_start) in enumerate(GDN_ROWS):
+        if n == 0:
+            continue
+        rows = slice(qsl[r], qsl[r] + n)
+        alone = {key: case[key] for key in ("weight", "conv_state", "ssm_state")}
+        alone.update({key: case[key][rows] for key in ("x", "q", "k", "v", "g", "beta")})
+        alone["meta"] = tuple(torch.tensor(x) for x in ([0, n], [src], [dst], [write_start]))
+        a_conv, a_conv_state, a_core, a_ssm_state = run_batched(alone)
+        assert torch.equal(a_conv, conv[rows]) and torch.equal(a_core, core[rows])
+        kept = [s for s in range(dst, dst + n - write_start)] if dst >= 0 else []
+        assert torch.equal(a_conv_state[kept], conv_state[kept]) and torch.equal(a_ssm_state[kept], ssm_state[kept])
