@@ -25,6 +25,8 @@ class EngineConfig:
     num_gpu_blocks_override: int | None = None
     gpu_memory_utilization: float = 0.9
     cpu_kv_cache_space_gib: float = 4.0
+    # torch threads on the CPU; None: env TRUESPEC_CPU_THREADS, else 1 for small models (worker/cpu_threads.py)
+    cpu_threads: int | None = None
     # sparse-V tile skip in the attention kernels ("off" | "on" | "auto": on for rows with at least
     # sparse_v_ctx_threshold keys); None: env TRUESPEC_SPARSE_V / _THRESHOLD / _CTX_THRESHOLD, else off, 1e-3, 8192
     sparse_v: str | None = None
@@ -54,6 +56,9 @@ class EngineConfig:
         check(isinstance(self.skip_tokenizer_init, bool), "skip_tokenizer_init",
               f"must be a bool, got {self.skip_tokenizer_init!r}")
         check(isinstance(self.enforce_eager, bool), "enforce_eager", f"must be a bool, got {self.enforce_eager!r}")
+        check(self.cpu_threads is None or (isinstance(self.cpu_threads, int) and not isinstance(self.cpu_threads, bool)
+                                           and self.cpu_threads >= 1), "cpu_threads",
+              f"must be a positive int or None, got {self.cpu_threads!r}")
         check(isinstance(self.batch_invariant, bool), "batch_invariant",
               f"must be a bool, got {self.batch_invariant!r}")
         check(self.async_scheduling is None or isinstance(self.async_scheduling, bool), "async_scheduling",

@@ -34,6 +34,7 @@ from truespec.spec_decode.ngram import NgramProposer
 from truespec.spec_decode.proposer import check_speculative_config, load_drafter, make_proposer, num_lookahead_tokens
 from truespec.structured_output.manager import StructuredOutputManager
 from truespec.tokenizer import load_tokenizer
+from truespec.worker.cpu_threads import configure_cpu_threads
 from truespec.worker.graph_runner import GraphSettings
 from truespec.worker.model_runner import ModelRunner
 from truespec.worker.runner_output import ModelRunnerOutput
@@ -47,6 +48,8 @@ class LLMEngine:
         cache = self.cache_config
         self.loaded = loaded = load_model(config.model, config.dtype, self.device)
         self.hf_config, self.dtype = loaded.hf_config, loaded.dtype
+        if self.device.type == "cpu":
+            configure_cpu_threads(config.cpu_threads, self.hf_config.hidden_size)
         set_batch_invariant(loaded.model, config.batch_invariant)
         self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(config.tokenizer or config.model)
         self.max_model_len = resolve_max_model_len(config.max_model_len, self.hf_config)

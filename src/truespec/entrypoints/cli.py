@@ -80,6 +80,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="KV cache storage (default auto: the model dtype; fp8, TurboQuant presets)")
     add_sparse_v_args(parser)
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    parser.add_argument("--cpu-threads", type=int, default=None,
+                        help="torch threads on the CPU (default: 1 for small models, else torch's; env "
+                             "TRUESPEC_CPU_THREADS)")
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                         help="prepare the next decode step while the device runs this one (default: on for CUDA)")
     parser.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=True,
@@ -99,7 +102,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
                   max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                   block_size=args.block_size, kv_cache_dtype=args.kv_cache_dtype, enforce_eager=args.enforce_eager,
                   compilation_config=args.compilation_config, async_scheduling=args.async_scheduling,
-                  batch_invariant=args.batch_invariant, structured_outputs_config=args.structured_outputs_config)
+                  batch_invariant=args.batch_invariant, structured_outputs_config=args.structured_outputs_config,
+                  cpu_threads=args.cpu_threads)
     kwargs.update({k.name: getattr(args, k.name) for k in KNOBS if getattr(args, k.name) is not None})
     return kwargs | sparse_v_kwargs(args)
 
