@@ -40,6 +40,7 @@ class Sequence:
         self.stop_reason: int | str | None = None  # the stop string / stop token that ended it
         self.output_text = ""
         self.num_computed_tokens = 0  # tokens whose KV / state is in the cache
+        self.num_cached_tokens = 0  # prompt tokens the prefix cache gave it when first admitted
         self.state_index = 0  # slot of its state group holding the state after the last computed token
         self.num_preemptions = 0
         self.draft_token_ids: list[int] = []  # proposed for the next step's verify

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from truespec.core.scheduler_output import ScheduledRequest, SchedulerOutput
-from truespec.kv_cache.layout import allocate_caches, kv_bytes_per_token, state_bytes_per_slot
+from truespec.kv_cache.layout import allocate_caches, copy_state_slots, kv_bytes_per_token, state_bytes_per_slot
 from truespec.layers.rejection_sampler import emitted_tokens, greedy_verify, rejection_sample_draws
 from truespec.layers.sampler import request_generator
 from truespec.layers.token_bitmask import apply_token_bitmask_
@@ -95,6 +95,8 @@ class ModelRunner:
         accepted counts were read); its drafts are then read back with its tokens."""
         for request_id in sched.finished_req_ids:
             self._generators.pop(request_id, None)
+        if sched.state_saves or sched.state_restores:  # prefix caching's state checkpoints, before the forward
+            copy_state_slots(self.model, sched.state_saves, sched.state_restores)
         scheduled = sched.scheduled
         rows, input_ids, positions = self.prepare(scheduled)
         hidden, inputs = self.graphs.run(rows, input_ids, positions, decode_only=sched.is_decode_only,
