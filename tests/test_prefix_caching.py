@@ -29,7 +29,8 @@ def first_prompts() -> list[dict]:
             ids(base + other[:5]),          # 3: shares 4 blocks + 6 tokens
             ids(base[:40]),                 # 4: a prefix of prompt 0
             ids(base),                      # 5: prompt 0 again
-            ids(third)]                     # 6: 50 tokens (its end, aligned down: 48)
+            ids(third),                     # 6: 50 tokens (its end, aligned down: 48)
+            ids(base[:48])]                 # 7: exactly 3 blocks, all cached: the last one is computed again
 
 
 def next_turns(prompts: list[dict], outputs: list[list[int]]) -> list[dict]:
@@ -41,7 +42,7 @@ def next_turns(prompts: list[dict], outputs: list[list[int]]) -> list[dict]:
 # the whole chain of full blocks before the last prompt token; on the hybrid model only up to a checkpoint (interval
 # 32, prompt ends). Turn 2 of prompt 0 (87 tokens): its first turn cached 80 tokens (70 + 11 computed outputs),
 # the hybrid resumes at 64 (no checkpoint at 80); turn 2 of prompt 6: 48 on both (the first prompt's end).
-EXPECTED = {"dense": [0, 0, 32, 64, 32, 64, 0, 80, 48], "hybrid": [0, 0, 32, 64, 32, 64, 0, 64, 48]}
+EXPECTED = {"dense": [0, 0, 32, 64, 32, 64, 0, 32, 80, 48], "hybrid": [0, 0, 32, 64, 32, 64, 0, 32, 64, 48]}
 
 
 def llm(model: Path, **kw: object) -> LLM:
@@ -125,21 +126,23 @@ def test_cached_prefixes_with_speculation_give_the_same_tokens(setups: dict, met
     tokens, cached = one_at_a_time(engine, setup["prompts"])
     assert tokens == setup["ref"]
     if method in ("ngram", "draft_model"):  # keys as without a drafter
-        assert cached[:7] == EXPECTED[model][:7]
+        assert cached[:8] == EXPECTED[model][:8]
     else:  # an MTP / EAGLE head's KV at a block's last position needs the token after it: prompt 2 shares 32 tokens
         # but not the 33rd, so only its first block (dense) or nothing (hybrid: no checkpoint at 16) is reused
-        assert cached[:7] == [0, 0, 16 if model == "dense" else 0, 64, 32, 64, 0]
+        assert cached[:8] == [0, 0, 16 if model == "dense" else 0, 64, 32, 64, 0, 32]
     assert engine.get_metrics()["num_drafts"] > 0
     outs = engine.generate(setup["prompts"] * 2, GREEDY, use_tqdm=False)  # and all together, with a warm cache
     assert [o.outputs[0].token_ids for o in outs] == setup["ref"] * 2
     check_all_free(engine)
 
 
-@pytest.mark.parametrize("method", ["draft_model", "mtp"])
-def test_seeded_random_speculation_is_unchanged_by_cached_drafter_kv(setups: dict, method: str) -> None:
+@pytest.mark.parametrize(("method", "model"), [("draft_model", "hybrid"), ("mtp", "hybrid"), ("draft_model", "dense"),
+                                               ("eagle", "dense")])
+def test_seeded_random_speculation_is_unchanged_by_cached_drafter_kv(setups: dict, method: str, model: str) -> None:
     """Random verification draws depend on the drafter's probabilities: a reused block whose drafter KV were not
-    that of the same tokens would change them."""
-    setup = setups["hybrid"]
+    those of the same tokens would change them. One at a time (each prompt reuses the others' blocks), then all
+    together with the cache warm."""
+    setup = setups[model]
     params = [SamplingParams(temperature=0.9, seed=100 + i, max_tokens=12, ignore_eos=True)
               for i in range(len(setup["prompts"]))]
     spec = spec_config(method, 3, setup["models"])
@@ -147,6 +150,37 @@ def test_seeded_random_speculation_is_unchanged_by_cached_drafter_kv(setups: dic
     for enable in (False, True):
         engine = llm(setup["target"], prefix_state_interval=INTERVAL, speculative_config=spec,
                      enable_prefix_caching=enable, max_num_batched_tokens=16)
-        engine.generate(setup["prompts"], params, use_tqdm=False)  # warms the cache
-        outputs.append([o.outputs[0].token_ids for o in engine.generate(setup["prompts"], params, use_tqdm=False)])
+        tokens = [engine.generate([p], sp, use_tqdm=False)[0].outputs[0].token_ids
+                  for p, sp in zip(setup["prompts"], params, strict=True)]
+        tokens += [o.outputs[0].token_ids for o in engine.generate(setup["prompts"], params, use_tqdm=False)]
+        outputs.append(tokens)
     assert outputs[0] == outputs[1]
+
+
+def test_a_restored_checkpoint_is_the_state_of_its_own_prefix_bitwise(setups: dict) -> None:
+    """The state a hybrid request starts from after a hit of 64 tokens is bit for bit the state a fresh engine
+    without the cache computes over those 64 tokens (with the same chunk ends, 32 and 64): not the state of a
+    neighbouring position, nor another prompt's."""
+    setup = setups["hybrid"]
+    x = setup["prompts"][0]["prompt_token_ids"]  # 70 tokens
+    engine = llm(setup["target"], prefix_state_interval=INTERVAL)
+    engine.generate([ids(x)], GREEDY, use_tqdm=False)
+    runner, seen = engine.llm_engine.runner, []
+    run = runner.graphs.run
+
+    def snapshot(rows: list, *args: object, **kw: object) -> object:
+        seen.extend(states(runner.model, row.state_src) for row in rows if row.start == 64 and not seen)
+        return run(rows, *args, **kw)
+
+    runner.graphs.run = snapshot
+    out = engine.generate([ids(x[:64] + [3, 4, 5, 6])], GREEDY, use_tqdm=False)[0]
+    assert out.num_cached_tokens == 64 and len(seen) == 1
+    fresh = llm(setup["target"], enable_prefix_caching=False, max_num_batched_tokens=32, max_num_seqs=1)
+    fresh.generate([ids(x[:64])], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+    expected = states(fresh.llm_engine.runner.model, 0)  # its one state slot: the state after its last chunk
+    assert any(t.abs().sum() > 0 for t in expected)
+    assert all(a.equal(b) for a, b in zip(seen[0], expected, strict=True))
+
+
+def states(model: object, slot: int) -> list:
+    return [t[slot].clone() for layer in model.gdn_layers() for t in (layer.conv_state, layer.ssm_state)]
