@@ -169,3 +169,17 @@ def test_everything_comes_back_after_finish_and_preemption() -> None:
     info = sched.kv.cache_info()
     assert info["num_free_blocks"] == info["num_blocks"] and info["num_free_state_slots"] == info["num_state_slots"]
     assert sched.kv.reset_prefix_cache() and sched.kv.blocks.num_free == info["num_blocks"]
+
+
+def test_a_request_finishing_with_a_model_drafter_caches_only_what_the_drafter_caught_up_on() -> None:
+    """The drafter writes its KV of a step's positions after the step, which a request finishing in it never gets:
+    blocks the last step completed are not cached (without a drafter they are)."""
+    cached = []
+    for has_drafter in (False, True):
+        settings = PrefixSettings(has_drafter_cache=has_drafter)
+        sched = Scheduler(KVCacheManager(32, BS, 2, 1, prefix=settings), 2, 64)
+        a = request("a", list(range(1, 7)))
+        sched.add(a)
+        finish_prefill(sched, a)  # 6 tokens in one step: block 0 completed by it, then finished
+        cached.append(sched.kv.cache.num_cached_blocks)
+    assert cached == [1, 0]

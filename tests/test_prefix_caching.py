@@ -184,3 +184,32 @@ def test_a_restored_checkpoint_is_the_state_of_its_own_prefix_bitwise(setups: di
 
 def states(model: object, slot: int) -> list:
     return [t[slot].clone() for layer in model.gdn_layers() for t in (layer.conv_state, layer.ssm_state)]
+
+
+@pytest.mark.parametrize(("flag", "value", "field"), [("--prefix-state-interval", "24", "prefix_state_interval"),
+                                                     ("--prefix-state-budget", "1.5", "prefix_state_budget")])
+def test_bad_prefix_state_flags_fail_in_one_line_naming_the_field(tiny_models: dict[str, Path], flag: str, value: str,
+                                                                  field: str, capsys: pytest.CaptureFixture) -> None:
+    from truespec.entrypoints.cli import main as cli_main
+
+    argv = ["generate", "--model", str(tiny_models["hybrid"]), "--dtype", "float32", "--device", "cpu",
+            "--max-model-len", "128", "--max-tokens", "2", flag, value, "hi"]
+    assert cli_main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {field} ") and err.count("\n") == 1
+
+
+def test_prefix_caching_flags_reach_the_engine(tiny_models: dict[str, Path]) -> None:
+    import argparse
+
+    from truespec.entrypoints.cli import add_engine_args, engine_kwargs
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert "enable_prefix_caching" not in engine_kwargs(parser.parse_args([]))  # the engine's default: on
+    kwargs = engine_kwargs(parser.parse_args(["--no-enable-prefix-caching", "--prefix-state-interval", "32"]))
+    assert kwargs["enable_prefix_caching"] is False and kwargs["prefix_state_interval"] == 32
+    engine = llm(tiny_models["qwen3"], enable_prefix_caching=False)
+    assert engine.llm_engine.kv.cache is None and not engine.reset_prefix_cache()
+    outs = engine.generate([ids(list(range(1, 40)))] * 2, GREEDY, use_tqdm=False)
+    assert engine.get_metrics()["prefix_cache_queries"] == 0 and outs[1].num_cached_tokens == 0
