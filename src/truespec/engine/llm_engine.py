@@ -71,9 +71,10 @@ class LLMEngine:
         self.runner = ModelRunner(loaded.model, self.device, self.dtype, config.seed, self.stop_checker.eos_token_ids,
                                   cache.kv_cache_dtype)
         k, n, slot_bytes = config.num_speculative_tokens, config.max_num_seqs, self.runner.state_bytes_per_slot
-        num_blocks = num_kv_blocks(cache, self.runner.kv_bytes_per_token, slot_bytes * n * (1 + k),
-                                   self.max_model_len, n, self.device, checkpoint_share(cache, slot_bytes))
-        prefix = prefix_settings(cache, num_blocks, self.runner.kv_bytes_per_token, slot_bytes,
+        kv_bytes, state_bytes = self.runner.kv_bytes_per_token, slot_bytes * n * (1 + k)
+        num_blocks = num_kv_blocks(cache, kv_bytes, state_bytes, self.max_model_len, n, self.device,
+                                   checkpoint_share(cache, slot_bytes))
+        prefix = prefix_settings(cache, num_blocks, kv_bytes, slot_bytes, state_bytes, self.device,
                                  prefix_cache_extra_tokens(drafter), has_drafter_cache=drafter is not None)
         self.kv = KVCacheManager(num_blocks, cache.block_size, num_state_groups=n, slots_per_group=1 + k,
                                  prefix=prefix)

@@ -53,21 +53,23 @@ def checkpoint_share(cache: CacheConfig, state_bytes_per_slot: int) -> float:
 
 
 def prefix_settings(cache: CacheConfig, num_blocks: int, kv_bytes_per_token: int, state_bytes_per_slot: int,
-                    extra_tokens: int | None, has_drafter_cache: bool = False) -> PrefixSettings | None:
+                    state_bytes: int, device: torch.device, extra_tokens: int | None,
+                    has_drafter_cache: bool = False) -> PrefixSettings | None:
     """The prefix cache's settings, None when it is off (``extra_tokens`` None: the drafter cannot share a cache;
     ``has_drafter_cache``: a model drafter keeps KV of its own in the same blocks).
 
-    State checkpoints (models with recurrent state) take ``prefix_state_budget`` of the KV pool + checkpoints
-    memory: ``budget / (1 - budget)`` times the pool's bytes. The default interval is the fewest blocks whose KV
-    costs at least one checkpoint, rounded up to a power of two: interval checkpoints then at most double the
-    memory of the prefix they cover (Qwen3.5-0.8B: 19.5 MB per checkpoint, 192 KiB per block -> 2048 tokens)."""
+    State checkpoints (models with recurrent state) take ``prefix_state_budget`` of the cache memory left after the
+    running requests' ``state_bytes`` (``num_kv_blocks`` leaves it out of the KV pool), and never more than one per
+    KV block (a checkpoint is useless without a cached block of its own). The default interval is the fewest blocks
+    whose KV costs at least one checkpoint, rounded up to a power of two: interval checkpoints then at most double
+    the memory of the prefix they cover (Qwen3.5-0.8B: 19.5 MB per checkpoint, 192 KiB per block -> 2048 tokens)."""
     if not cache.enable_prefix_caching or extra_tokens is None:
         return None
     if not state_bytes_per_slot:
         return PrefixSettings(extra_tokens, has_drafter_cache=has_drafter_cache)
     bs, share = cache.block_size, cache.prefix_state_budget
-    pool_bytes = num_blocks * bs * kv_bytes_per_token
-    num_checkpoints = int(share / (1 - share) * pool_bytes // state_bytes_per_slot)
+    checkpoint_bytes = share * max(0, _budget_bytes(cache, device) - state_bytes)
+    num_checkpoints = min(num_blocks, int(checkpoint_bytes // state_bytes_per_slot))
     interval = cache.prefix_state_interval
     if interval is None:
         blocks = max(1, -(-state_bytes_per_slot // max(1, bs * kv_bytes_per_token)))
