@@ -213,3 +213,18 @@ def test_prefix_caching_flags_reach_the_engine(tiny_models: dict[str, Path]) -> 
     assert engine.llm_engine.kv.cache is None and not engine.reset_prefix_cache()
     outs = engine.generate([ids(list(range(1, 40)))] * 2, GREEDY, use_tqdm=False)
     assert engine.get_metrics()["prefix_cache_queries"] == 0 and outs[1].num_cached_tokens == 0
+
+
+@pytest.mark.parametrize("method", [None, "mtp", "eagle"])
+def test_cached_prefixes_with_async_scheduling_give_the_same_tokens(setups: dict, method: str | None) -> None:
+    """Steps queued ahead (decodes; with MTP verifies drafted on the device, whose progress the host learns a step
+    late and which save no checkpoint): the tokens without the cache, one at a time and all together."""
+    setup = setups["hybrid"]
+    spec = spec_config(method, 3, setup["models"]) if method is not None else None
+    engine = llm(setup["target"], prefix_state_interval=INTERVAL, speculative_config=spec, async_scheduling=True)
+    tokens, cached = one_at_a_time(engine, setup["prompts"])
+    assert tokens == setup["ref"] and cached[:5] == ([0, 0, 32, 64, 32] if method is None else [0, 0, 0, 64, 32])
+    outs = engine.generate(setup["prompts"] * 2, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == setup["ref"] * 2
+    assert engine.llm_engine.overlap.num_async_steps > 0
+    check_all_free(engine)
