@@ -1,9 +1,9 @@
 """One request's state: its tokens, how many are in the cache, its drafts, its timestamps.
 
 Only the engine side changes a Sequence: the scheduler its status (finish included) and, on admission after a
-cached prefix (and its ``num_cached_tokens``) and on preemption, its progress; the engine the progress and drafts a step produced (the async scheduler the progress and a placeholder
-token of a step it queues ahead); the output processor its new tokens (up to a stop), prompt logprobs, text and
-timestamps.
+cached prefix (and its ``num_cached_tokens``) and on preemption, its progress; the engine the progress and drafts a
+step produced (the async scheduler the progress and a placeholder token of a step it queues ahead); the output
+processor its new tokens (up to a stop), prompt logprobs, text and timestamps.
 Which KV blocks and state slots it holds is recorded by the ``KVCacheManager`` under its ``request_id``.
 """
 
