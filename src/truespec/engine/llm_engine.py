@@ -72,10 +72,11 @@ class LLMEngine:
                                   cache.kv_cache_dtype)
         k, n, slot_bytes = config.num_speculative_tokens, config.max_num_seqs, self.runner.state_bytes_per_slot
         kv_bytes, state_bytes = self.runner.kv_bytes_per_token, slot_bytes * n * (1 + k)
+        extra_tokens = prefix_cache_extra_tokens(drafter)  # None: the drafter turns prefix caching off
         num_blocks = num_kv_blocks(cache, kv_bytes, state_bytes, self.max_model_len, n, self.device,
-                                   checkpoint_share(cache, slot_bytes))
-        prefix = prefix_settings(cache, num_blocks, kv_bytes, slot_bytes, state_bytes, self.device,
-                                 prefix_cache_extra_tokens(drafter), has_drafter_cache=drafter is not None)
+                                   checkpoint_share(cache, slot_bytes, extra_tokens is not None))
+        prefix = prefix_settings(cache, num_blocks, kv_bytes, slot_bytes, state_bytes, self.device, extra_tokens,
+                                 has_drafter_cache=drafter is not None)
         self.kv = KVCacheManager(num_blocks, cache.block_size, num_state_groups=n, slots_per_group=1 + k,
                                  prefix=prefix)
         self.runner.allocate_caches(num_blocks, cache.block_size, self.kv.num_state_slots)

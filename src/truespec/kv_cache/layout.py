@@ -94,20 +94,13 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> t
     return torch.from_numpy(np.zeros(num_bytes, dtype=np.uint8)).view(dtype).view(shape)
 
 
-def copy_state_slots(model: torch.nn.Module, saves: list[tuple[int, int]], restores: list[tuple[int, int]]) -> None:
-    """Copy the conv and SSM state of every GDN layer between flat slots, as (source, destination) pairs: ``saves``
-    (into checkpoint slots; a slot saved twice keeps the later save), then ``restores`` (prefix caching,
-    core/prefix_planner.py). Queued in stream order, outside any captured graph (the tensors never move)."""
-    layers = model.gdn_layers()
-    for copies in (saves, restores):
-        if not copies or not layers:
-            continue
-        last = {dst: src for src, dst in copies}
-        device = layers[0].ssm_state.device
-        dst, src = (torch.tensor(list(ids), dtype=torch.int64, device=device) for ids in (last, last.values()))
-        for layer in layers:
-            for state in (layer.conv_state, layer.ssm_state):
-                state.index_copy_(0, dst, state.index_select(0, src))
+def copy_state_slots(model: torch.nn.Module, src: torch.Tensor, dst: torch.Tensor) -> None:
+    """Copy the conv and SSM state of every GDN layer from flat slots ``src`` to ``dst`` ([n] int64 on the device,
+    ``dst`` without repeats): prefix caching's checkpoint saves and restores (core/prefix_planner.py). Queued in
+    stream order, outside any captured graph (the tensors never move)."""
+    for layer in model.gdn_layers():
+        for state in (layer.conv_state, layer.ssm_state):
+            state.index_copy_(0, dst, state.index_select(0, src))
 
 
 def _element_size(dtype: torch.dtype) -> int:

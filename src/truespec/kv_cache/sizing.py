@@ -46,10 +46,11 @@ def num_kv_blocks(cache: CacheConfig, kv_bytes_per_token: int, state_bytes: int,
     return num_blocks
 
 
-def checkpoint_share(cache: CacheConfig, state_bytes_per_slot: int) -> float:
+def checkpoint_share(cache: CacheConfig, state_bytes_per_slot: int, can_cache: bool = True) -> float:
     """The share of the cache memory state checkpoints take: ``prefix_state_budget`` on a model with recurrent state
-    and prefix caching on, else 0."""
-    return cache.prefix_state_budget if cache.enable_prefix_caching and state_bytes_per_slot else 0.0
+    and prefix caching on (and possible: ``can_cache``), else 0."""
+    is_on = cache.enable_prefix_caching and can_cache and state_bytes_per_slot
+    return cache.prefix_state_budget if is_on else 0.0
 
 
 def prefix_settings(cache: CacheConfig, num_blocks: int, kv_bytes_per_token: int, state_bytes_per_slot: int,

@@ -17,7 +17,7 @@ from truespec.layers.sampler import request_generator
 from truespec.layers.token_bitmask import apply_token_bitmask_
 from truespec.sampling_params import SamplingParams
 from truespec.worker.graph_runner import GraphRunner, GraphSettings
-from truespec.worker.input_builder import ContextRow, StepInputs
+from truespec.worker.input_builder import ContextRow, StepInputs, to_device_async
 from truespec.worker.prompt_logprobs import QueuedPromptLogprobs, prompt_logprobs_entries, queue_prompt_logprobs
 from truespec.worker.runner_output import ModelRunnerOutput
 
@@ -96,7 +96,7 @@ class ModelRunner:
         for request_id in sched.finished_req_ids:
             self._generators.pop(request_id, None)
         if sched.state_saves or sched.state_restores:  # prefix caching's state checkpoints, before the forward
-            copy_state_slots(self.model, sched.state_saves, sched.state_restores)
+            self._copy_states(sched.state_saves, sched.state_restores)
         scheduled = sched.scheduled
         rows, input_ids, positions = self.prepare(scheduled)
         hidden, inputs = self.graphs.run(rows, input_ids, positions, decode_only=sched.is_decode_only,
@@ -124,6 +124,15 @@ class ModelRunner:
         step.prompt_logprobs = queue_prompt_logprobs(self.model, hidden, scheduled, ctx.query_start_loc_cpu)
         self._record_done(step)
         return step
+
+    def _copy_states(self, saves: list[tuple[int, int]], restores: list[tuple[int, int]]) -> None:
+        """Saves (a slot saved twice keeps the later save), then restores, as (source, destination) state slots; the
+        slot ids reach the device without waiting for it (async scheduling keeps overlapping)."""
+        for copies in (saves, restores):
+            last = {dst: src for src, dst in copies}
+            if last and self.model.gdn_layers():
+                ids = to_device_async([*last.values(), *last], self.device)
+                copy_state_slots(self.model, ids[:len(last)], ids[len(last):])
 
     def _grammar_bitmask(self, host: torch.Tensor) -> torch.Tensor:
         """The step's grammar mask on the device: the host's, copied once (not waited for)."""
