@@ -228,3 +228,17 @@ def test_cached_prefixes_with_async_scheduling_give_the_same_tokens(setups: dict
     assert [o.outputs[0].token_ids for o in outs] == setup["ref"] * 2
     assert engine.llm_engine.overlap.num_async_steps > 0
     check_all_free(engine)
+
+
+def test_a_draft_model_with_recurrent_state_turns_prefix_caching_off(setups: dict, tiny_models: dict[str, Path],
+                                                                    caplog: pytest.LogCaptureFixture) -> None:
+    """Its GDN state is not checkpointed, so reused blocks would leave it wrong: the engine says so and caches
+    nothing (and reserves no checkpoint memory)."""
+    setup = setups["hybrid"]
+    spec = {"method": "draft_model", "num_speculative_tokens": 2, "model": str(tiny_models["hybrid"])}
+    with caplog.at_level("WARNING", logger="truespec"):
+        engine = llm(setup["target"], speculative_config=spec)
+    assert "prefix caching is off" in caplog.text
+    assert engine.llm_engine.kv.cache is None and engine.cache_info()["num_prefix_state_slots"] == 0
+    tokens, cached = one_at_a_time(engine, setup["prompts"][:3])
+    assert tokens == setup["ref"][:3] and cached == [0, 0, 0]
