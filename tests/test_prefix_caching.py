@@ -210,7 +210,7 @@ def test_prefix_caching_flags_reach_the_engine(tiny_models: dict[str, Path]) -> 
     kwargs = engine_kwargs(parser.parse_args(["--no-enable-prefix-caching", "--prefix-state-interval", "32"]))
     assert kwargs["enable_prefix_caching"] is False and kwargs["prefix_state_interval"] == 32
     engine = llm(tiny_models["qwen3"], enable_prefix_caching=False)
-    assert engine.llm_engine.kv.cache is None and not engine.reset_prefix_cache()
+    assert engine.llm_engine.kv.cache is None and engine.reset_prefix_cache()  # nothing cached
     outs = engine.generate([ids(list(range(1, 40)))] * 2, GREEDY, use_tqdm=False)
     assert engine.get_metrics()["prefix_cache_queries"] == 0 and outs[1].num_cached_tokens == 0
 

@@ -29,7 +29,7 @@ class LLM:
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached KV block and state checkpoint (vLLM's ``LLM.reset_prefix_cache``); False, and nothing
-        forgotten, while a request holds a cached block (or prefix caching is off)."""
+        forgotten, while a request holds a cached block."""
         return self.llm_engine.reset_prefix_cache()
 
     def get_metrics(self) -> dict[str, object]:

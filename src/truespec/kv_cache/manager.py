@@ -143,8 +143,11 @@ class KVCacheManager:
         return self.checkpoints.add(key) if self.cache.contains(key) else None
 
     def reset_prefix_cache(self) -> bool:
-        """Drop every cached block and checkpoint (vLLM's ``reset_prefix_cache``); False while a request uses one."""
-        if self.cache is None or not self.cache.clear():
+        """Drop every cached block and checkpoint (vLLM's ``reset_prefix_cache``); False while a request uses one
+        (True without prefix caching: nothing is cached)."""
+        if self.cache is None:
+            return True
+        if not self.cache.clear():
             return False
         self.checkpoints.clear()
         return True
@@ -174,7 +177,10 @@ class KVCacheManager:
     def free(self, request_id: str) -> None:
         """Return everything the request holds (a no-op for one that holds nothing); its cached blocks stay cached."""
         table = self._block_tables.pop(request_id, [])
-        self.blocks.free(table) if self.cache is None else self.cache.release(table)
+        if self.cache is None:
+            self.blocks.free(table)
+        else:
+            self.cache.release(table)
         self._num_cached.pop(request_id, None)
         group = self._groups.pop(request_id, None)
         if group is not None:
