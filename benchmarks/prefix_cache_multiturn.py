@@ -3,7 +3,7 @@ without the cache, the state checkpoints' memory, and the hit rate at several ch
 this one process on one card.
 
     python3 benchmarks/prefix_cache_multiturn.py --model /tmp/qwen35-0.8b-shape [--conversations 32] [--turns 6]
-        [--system-len 2048] [--user-len 136] [--max-tokens 64] [--intervals 512 1024 2048] [--json FILE]
+        [--system-len 2048] [--user-len 136] [--max-tokens 64] [--intervals 512 1024] [--json FILE]
     python3 benchmarks/prefix_cache_multiturn.py --device cpu --conversations 2 --turns 3 --system-len 64 \\
         --user-len 16 --max-tokens 8 --intervals 16 32   # a quick check with the embedded model
 
@@ -149,8 +149,9 @@ def main() -> None:
     parser.add_argument("--system-len", type=int, default=2048)
     parser.add_argument("--user-len", type=int, default=136, help="new user tokens per turn")
     parser.add_argument("--max-tokens", type=int, default=64, help="output tokens per turn")
-    parser.add_argument("--intervals", type=int, nargs="*", default=[512, 1024, 2048],
-                        help="prefix_state_interval settings for the hit-rate sweep (hybrid models)")
+    parser.add_argument("--intervals", type=int, nargs="*", default=[512, 1024],
+                        help="more prefix_state_interval settings for the hit-rate sweep (hybrid models; the default "
+                             "run's interval, 2048 on the 0.8B shape, is the third)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
@@ -162,7 +163,7 @@ def main() -> None:
     results = [summarize("no cache", baseline, None)]
     cached = run_engine(args, enable_prefix_caching=True)
     results.append(summarize("cache (default interval)", cached, baseline))
-    for interval in args.intervals if cached["interval"] is not None else []:
+    for interval in [i for i in args.intervals if i != cached["interval"]] if cached["interval"] is not None else []:
         run = run_engine(args, enable_prefix_caching=True, prefix_state_interval=interval)
         results.append(summarize(f"cache, interval {interval}", run, baseline))
     speedup = results[0]["ttft_last_turn_mean_ms"] / results[1]["ttft_last_turn_mean_ms"]
