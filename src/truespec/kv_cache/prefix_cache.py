@@ -12,6 +12,7 @@ handed out again (its key dropped) when the pool runs out of never-cached blocks
 """
 
 import hashlib
+from array import array
 from collections import OrderedDict
 from collections.abc import Callable
 
@@ -30,7 +31,7 @@ def block_keys(token_ids: list[int], block_size: int, num_blocks: int, extra_tok
         if len(tokens) != block_size + extra_tokens:
             raise ValueError(f"block {b} needs {block_size + extra_tokens} token ids, got {len(tokens)}")
         h = hashlib.sha256(keys[-1] if keys else b"truespec-prefix-root")
-        h.update(b"".join(t.to_bytes(8, "little", signed=True) for t in tokens))
+        h.update(array("q", tokens).tobytes())  # 8 bytes per id (keys are compared within one process)
         keys.append(h.digest())
     return keys
 
