@@ -106,11 +106,19 @@ def test_checkpoint_positions_are_interval_multiples_and_the_prompt_end() -> Non
     assert next_checkpoint_position(36, 37, 16, 4) == 48
 
 
-@pytest.mark.parametrize(("interval", "budget"), [(6, 0.1), (0, 0.1), (8, 1.0), (8, -0.1), (8, "x")])
+@pytest.mark.parametrize(("interval", "budget"), [(6, 0.1), (0, 0.1), (True, 0.1), (8, 1.0), (8, -0.1), (8, "x"),
+                                                  (8, float("nan"))])
 def test_bad_prefix_state_settings_name_their_field(interval: int, budget: object) -> None:
     field = "prefix_state_interval" if budget == 0.1 else "prefix_state_budget"
     with pytest.raises(ValueError, match=field):
         CacheConfig(block_size=4, prefix_state_interval=interval, prefix_state_budget=budget)
+
+
+def test_enable_prefix_caching_must_be_a_bool() -> None:
+    from truespec.config import EngineConfig
+
+    with pytest.raises(ValueError, match="enable_prefix_caching"):
+        EngineConfig(model="m", enable_prefix_caching="yes")
 
 
 # ---- the scheduler ----------------------------------------------------------------------------------------
