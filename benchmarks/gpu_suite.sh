@@ -9,7 +9,8 @@
 #   bash benchmarks/gpu_suite.sh [PARTS...]     # PARTS: tests tune timing profile compare spec (default: all)
 #                                               # also, not in the default: kv (compressed-cache decode speed),
 #                                               # governor (speculation vs none, governor auto / off), serve (load),
-#                                               # prefill (one attention layer's prefill: split-KV vs tiled vs SDPA)
+#                                               # prefill (one attention layer's prefill: split-KV vs tiled vs SDPA),
+#                                               # prefix (multi-turn prefix caching on the 0.8B shape, issue 16)
 #
 # fla-core (optional; transformers' best GDN path and truespec's chunked prefill) is installed from .whl/ if there.
 set -u
@@ -79,4 +80,10 @@ if has prefill; then
     timeout 200 python3 benchmarks/prefill_attention_speed.py --json "$OUT/prefill_attention_speed.json" \
         > "$OUT/prefill_attention_speed.txt" 2>&1
     tail -9 "$OUT/prefill_attention_speed.txt"
+fi
+if has prefix; then
+    [ -d $shape ] || timeout 60 python3 benchmarks/qwen35_shape.py --out $shape --device cuda
+    timeout 560 python3 benchmarks/prefix_cache_multiturn.py --model $shape --dtype bfloat16 \
+        --json "$OUT/prefix_cache_multiturn.json" > "$OUT/prefix_cache_multiturn.txt" 2>&1
+    tail -9 "$OUT/prefix_cache_multiturn.txt"
 fi

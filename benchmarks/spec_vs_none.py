@@ -42,6 +42,7 @@ def measure(llm: LLM, prompts: list[str], batch_size: int, max_tokens: int) -> d
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     llm.generate(prompts[:batch_size], params, use_tqdm=False)  # warm-up
     before = llm.get_metrics()
+    llm.reset_prefix_cache()  # the warm-up's prompts would skip their prefill
     torch.cuda.synchronize()
     start = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)

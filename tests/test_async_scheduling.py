@@ -61,7 +61,7 @@ def test_async_with_sampled_requests_kv_pressure_and_arrivals(tiny_models: dict[
     prompts = random_prompts([50, 8, 120, 30, 70, 12], seed=7)
     params = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
               SamplingParams(temperature=0.8, seed=5, max_tokens=16, ignore_eos=True)] * 3
-    kwargs = dict(num_gpu_blocks_override=24, max_num_batched_tokens=32)
+    kwargs = dict(num_gpu_blocks_override=20, max_num_batched_tokens=32)  # preempts with prefix caching too
     reference = run(make_llm(tiny_models, False, **kwargs), prompts, params)
     llm = make_llm(tiny_models, True, **kwargs)
     assert run(llm, prompts, params) == reference

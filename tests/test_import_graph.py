@@ -22,7 +22,8 @@ ORDER = ["entrypoints", "llm", "engine", "spec_decode", "structured_output", "wo
 LEAVES = {"config", "sampling_params", "outputs", "forward_context", "tokenizer", "assets", "dtypes"}
 TOP = {ROOT, f"{ROOT}.__main__"}  # the package's public face and ``python -m truespec``: above everything
 # Request and cache bookkeeping: plain Python, testable without torch (docs/ARCHITECTURE.md)
-TORCH_FREE = ["core", "kv_cache.block_pool", "kv_cache.manager", "kv_cache.config"]
+TORCH_FREE = ["core", "kv_cache.block_pool", "kv_cache.manager", "kv_cache.config", "kv_cache.prefix_cache",
+              "kv_cache.state_checkpoints"]
 
 
 def module_files() -> dict[str, Path]:

@@ -164,7 +164,7 @@ def test_metrics_expose_vllm_names(server: Server) -> None:
     for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prompt_tokens_total",
                  "generation_tokens_total", "time_to_first_token_seconds", "time_per_output_token_seconds",
                  "e2e_request_latency_seconds", "spec_decode_num_drafts", "spec_decode_num_draft_tokens",
-                 "spec_decode_num_accepted_tokens"):
+                 "spec_decode_num_accepted_tokens", "prefix_cache_queries_total", "prefix_cache_hits_total"):
         assert "truespec:" + name in text
 
 

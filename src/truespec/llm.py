@@ -27,11 +27,17 @@ class LLM:
     def cache_info(self) -> dict[str, int]:
         return self.llm_engine.cache_info()
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached KV block and state checkpoint (vLLM's ``LLM.reset_prefix_cache``); False, and nothing
+        forgotten, while a request holds a cached block."""
+        return self.llm_engine.reset_prefix_cache()
+
     def get_metrics(self) -> dict[str, object]:
         """Speculative-decoding counters since the engine was built: num_drafts, num_draft_tokens,
         num_accepted_tokens, num_accepted_tokens_per_pos, num_draft_tokens_per_pos, mean_acceptance_length
         (= 1 + accepted / drafts), num_steps, num_steps_without_drafts, num_draft_skips, and the governor's
-        num_steps_drafting_off and governor_drafting (README, "Speculative decoding")."""
+        num_steps_drafting_off and governor_drafting (README, "Speculative decoding"); and the prefix cache's
+        prefix_cache_queries and prefix_cache_hits (prompt tokens looked up and found, once per request, as vLLM's)."""
         return self.llm_engine.get_metrics()
 
     def generate(self, prompts: PromptType | Seq[PromptType],

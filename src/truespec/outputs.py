@@ -51,3 +51,4 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = True
     metrics: RequestMetrics | None = None
+    num_cached_tokens: int | None = None  # prompt tokens the prefix cache gave it (vLLM's field)

@@ -9,11 +9,14 @@ its output is unchanged.
 
 The scheduler allocates every block a step writes: the query positions, and on a request's last chunk
 ``num_lookahead_tokens`` more for the drafts a model drafter writes after the step (vLLM's lookahead slots).
+With prefix caching a request is admitted after its longest cached prefix, and its progress is cached before each
+step (core/prefix_planner.py).
 """
 
 import time
 from collections import deque
 
+from truespec.core.prefix_planner import PrefixPlanner
 from truespec.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from truespec.core.sequence import PLACEHOLDER, Sequence, SequenceStatus, token_slice
 from truespec.kv_cache.manager import KVCacheManager
@@ -30,6 +33,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0  # total since start, for tests and metrics
         self._finished_ids: list[str] = []  # reported in the next SchedulerOutput
+        self.prefix = PrefixPlanner(kv)
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -39,6 +43,9 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        if self.prefix.is_enabled:
+            for seq in self.running:
+                self.prefix.progress(seq)
         budget = self.max_num_batched_tokens
         i, skipped = 0, []
         while i < len(self.running) and budget > 0:
@@ -63,6 +70,7 @@ class Scheduler:
             self._admit(budget, out)
         if out.scheduled:  # reported with a step that runs (an empty one is never launched)
             out.finished_req_ids, self._finished_ids = self._finished_ids, []
+            out.state_saves = self.prefix.take_saves()
         return out
 
     def schedule_verify_ahead(self, plans: list[tuple[Sequence, int, int, int]]) -> SchedulerOutput | None:
@@ -71,15 +79,17 @@ class Scheduler:
         its blocks must cover). The device moves each request past what it accepts and supplies the token and
         drafts, so the host lists placeholders. Nothing is preempted: None when the blocks do not fit."""
         kv = self.kv
-        if sum(kv.num_blocks_needed(seq.request_id, hold) for seq, _, _, hold in plans) > kv.blocks.num_free:
+        if sum(kv.num_blocks_needed(seq.request_id, hold) for seq, _, _, hold in plans) > kv.num_free_blocks:
             return None
         out = SchedulerOutput()
         for seq, start, num_drafts, hold in plans:
+            self.prefix.forget_step(seq.request_id)  # what it accepts is known on the device only
             ids, block_ids = [PLACEHOLDER] * (1 + num_drafts), kv.allocate(seq.request_id, hold)
             out.scheduled.append(ScheduledRequest(
                 seq.request_id, seq.params, start, 1 + num_drafts, ids, ids[1:], None, block_ids,
                 kv.first_state_slot(seq.request_id), 0, len(seq.output_token_ids) + 1, True))
         out.finished_req_ids, self._finished_ids = self._finished_ids, []
+        out.state_saves = self.prefix.take_saves()
         return out
 
     def report_finished(self, request_ids: list[str]) -> None:
@@ -91,13 +101,15 @@ class Scheduler:
 
         Drafts ride on a request's last chunk (a decode, or the end of a re-prefill after preemption) and
         are cut only by limits of the request itself, never by the rest of the batch: so a request verifies
-        the same drafts alone or in any batch, and its seeded random draws stay batch invariant."""
+        the same drafts alone or in any batch, and its seeded random draws stay batch invariant. On a hybrid model
+        with prefix caching a chunk ends at the next state checkpoint position at the latest."""
         remaining = seq.num_uncomputed_tokens
         drafts = seq.draft_token_ids[:self.max_drafts(seq)]
-        if remaining + len(drafts) <= budget:
+        limit = self.prefix.chunk_limit(seq) if remaining > 1 else None
+        if remaining + len(drafts) <= budget and (limit is None or remaining <= limit):
             return remaining, drafts
         if remaining > 1:
-            return min(remaining - 1, budget), []  # a prefill chunk; the drafts wait for the last one
+            return min(remaining - 1, budget, limit or budget), []  # a prefill chunk; the drafts wait for the last
         return None
 
     def max_drafts(self, seq: Sequence) -> int:
@@ -117,6 +129,7 @@ class Scheduler:
         """Allocate the blocks for ``num_tokens`` positions and describe the step's work for the runner."""
         request_id, start = seq.request_id, seq.num_computed_tokens
         block_ids = self.kv.allocate(request_id, num_tokens)
+        self.prefix.scheduled(seq, n, self.kv.first_state_slot(request_id))
         token_ids = token_slice(seq.prompt_token_ids, seq.output_token_ids, start, start + n) + drafts
         return ScheduledRequest(  # positional, in field order: this runs for every request of every step
             request_id, seq.params, start, n + len(drafts), token_ids, drafts, seq.draft_probs if drafts else None,
@@ -135,15 +148,18 @@ class Scheduler:
     def _admit(self, budget: int, out: SchedulerOutput) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            hit = self.prefix.find(seq)
+            seq.num_computed_tokens = hit.num_tokens  # planned from there (back to 0 if it is not admitted)
             plan = self._plan(seq, budget)
-            if plan is None:
+            num_tokens = self._num_tokens_to_hold(seq, *plan) if plan is not None else 0
+            if plan is None or not (self.kv.can_allocate_state() and
+                                    self.kv.can_allocate(seq.request_id, num_tokens, hit)):
+                seq.num_computed_tokens = 0
                 break
             n, drafts = plan
-            num_tokens = self._num_tokens_to_hold(seq, n, drafts)
-            if not (self.kv.can_allocate_state() and self.kv.can_allocate(seq.request_id, num_tokens)):
-                break
             self.waiting.popleft()
             self.kv.allocate_state(seq.request_id)
+            self.prefix.take(seq, hit, out.state_restores)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             out.scheduled.append(self._scheduled_request(seq, n, drafts, num_tokens))
@@ -153,6 +169,7 @@ class Scheduler:
         """Free everything ``seq`` holds; it recomputes its prefill (prompt + output) later."""
         self.running.remove(seq)
         self.kv.free(seq.request_id)
+        self.prefix.forget_step(seq.request_id)
         seq.num_computed_tokens = 0  # its drafts stay: they ride on the last chunk of the re-prefill
         seq.state_index = 0
         seq.num_preemptions += 1
@@ -163,10 +180,13 @@ class Scheduler:
     def finish(self, seq: Sequence, reason: str) -> None:
         """Mark ``seq`` finished (or aborted) and return its blocks and state group."""
         if seq in self.running:
+            if self.prefix.is_enabled:  # what its last step computed stays cached
+                self.prefix.progress(seq, is_finished=True)
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        self.kv.free(seq.request_id)
+        self.kv.forget(seq.request_id)
+        self.prefix.forget_step(seq.request_id)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         seq.finished_time = time.monotonic()

@@ -64,6 +64,10 @@ class SchedulerOutput:
     # structured outputs: the grammar mask of each logits row, [rows, ceil(vocab / 32)] int32 on the host, set by
     # the engine after scheduling (structured_output/manager.py); None: no request of the step is constrained
     grammar_bitmask: Any = None
+    # prefix caching of recurrent state (core/prefix_planner.py), as (source, destination) flat state slots, run in
+    # this order before the step's forward: checkpoints saved out of requests' groups, then restored into them
+    state_saves: list[tuple[int, int]] = field(default_factory=list)
+    state_restores: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def is_decode_only(self) -> bool:

@@ -1,9 +1,9 @@
 """One request's state: its tokens, how many are in the cache, its drafts, its timestamps.
 
-Only the engine side changes a Sequence: the scheduler its status (finish included) and, on preemption, its
-progress; the engine the progress and drafts a step produced (the async scheduler the progress and a placeholder
-token of a step it queues ahead); the output processor its new tokens (up to a stop), prompt logprobs, text and
-timestamps.
+Only the engine side changes a Sequence: the scheduler its status (finish included) and, on admission after a
+cached prefix (and its ``num_cached_tokens``) and on preemption, its progress; the engine the progress and drafts a
+step produced (the async scheduler the progress and a placeholder token of a step it queues ahead); the output
+processor its new tokens (up to a stop), prompt logprobs, text and timestamps.
 Which KV blocks and state slots it holds is recorded by the ``KVCacheManager`` under its ``request_id``.
 """
 
@@ -40,6 +40,7 @@ class Sequence:
         self.stop_reason: int | str | None = None  # the stop string / stop token that ended it
         self.output_text = ""
         self.num_computed_tokens = 0  # tokens whose KV / state is in the cache
+        self.num_cached_tokens = 0  # prompt tokens the prefix cache gave it when first admitted
         self.state_index = 0  # slot of its state group holding the state after the last computed token
         self.num_preemptions = 0
         self.draft_token_ids: list[int] = []  # proposed for the next step's verify

@@ -100,7 +100,7 @@ class AsyncScheduler:
                     or r.prompt_logprob_token_ids or len(seq.output_token_ids) + 2 > seq.max_output_len):
                 return None
             blocks += sched.kv.num_blocks_needed(seq.request_id, seq.num_computed_tokens + r.num_new_tokens + 1)
-        return seqs if blocks <= sched.kv.blocks.num_free else None
+        return seqs if blocks <= sched.kv.num_free_blocks else None
 
     def _same_requests(self, launched: LaunchedStep) -> list[Sequence] | None:
         """The requests of ``launched`` if they are exactly the running ones, no waiting one could join and none has

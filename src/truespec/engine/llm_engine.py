@@ -19,7 +19,7 @@ from truespec.engine.stop_checker import StopChecker
 from truespec.kv_cache.config import CacheConfig
 from truespec.kv_cache.layout import set_sparse_v
 from truespec.kv_cache.manager import KVCacheManager
-from truespec.kv_cache.sizing import num_kv_blocks, resolve_max_model_len
+from truespec.kv_cache.sizing import checkpoint_share, num_kv_blocks, prefix_settings, resolve_max_model_len
 from truespec.layers.linear import set_batch_invariant
 from truespec.models.loader import load_model
 from truespec.outputs import RequestOutput
@@ -31,7 +31,13 @@ from truespec.spec_decode.interface import DraftRequest
 from truespec.spec_decode.metrics import SpecDecodeMetrics
 from truespec.spec_decode.model_drafter import ModelDrafter
 from truespec.spec_decode.ngram import NgramProposer
-from truespec.spec_decode.proposer import check_speculative_config, load_drafter, make_proposer, num_lookahead_tokens
+from truespec.spec_decode.proposer import (
+    check_speculative_config,
+    load_drafter,
+    make_proposer,
+    num_lookahead_tokens,
+    prefix_cache_extra_tokens,
+)
 from truespec.structured_output.manager import StructuredOutputManager
 from truespec.tokenizer import load_tokenizer
 from truespec.worker.cpu_threads import configure_cpu_threads
@@ -67,11 +73,15 @@ class LLMEngine:
                                                           config.structured_outputs_config.disable_any_whitespace)
         self.runner = ModelRunner(loaded.model, self.device, self.dtype, config.seed, self.stop_checker.eos_token_ids,
                                   cache.kv_cache_dtype)
-        k, n = config.num_speculative_tokens, config.max_num_seqs
-        state_bytes = self.runner.state_bytes_per_slot * n * (1 + k)
-        num_blocks = num_kv_blocks(cache, self.runner.kv_bytes_per_token, state_bytes, self.max_model_len, n,
-                                   self.device)
-        self.kv = KVCacheManager(num_blocks, cache.block_size, num_state_groups=n, slots_per_group=1 + k)
+        k, n, slot_bytes = config.num_speculative_tokens, config.max_num_seqs, self.runner.state_bytes_per_slot
+        kv_bytes, state_bytes = self.runner.kv_bytes_per_token, slot_bytes * n * (1 + k)
+        extra_tokens = prefix_cache_extra_tokens(drafter)  # None: the drafter turns prefix caching off
+        num_blocks = num_kv_blocks(cache, kv_bytes, state_bytes, self.max_model_len, n, self.device,
+                                   checkpoint_share(cache, slot_bytes, extra_tokens is not None))
+        prefix = prefix_settings(cache, num_blocks, kv_bytes, slot_bytes, state_bytes, self.device, extra_tokens,
+                                 has_drafter_cache=drafter is not None)
+        self.kv = KVCacheManager(num_blocks, cache.block_size, num_state_groups=n, slots_per_group=1 + k,
+                                 prefix=prefix)
         self.runner.allocate_caches(num_blocks, cache.block_size, self.kv.num_state_slots)
         graphs = GraphSettings(
             mode=config.cudagraph_mode, block_size=cache.block_size,
@@ -287,6 +297,7 @@ class LLMEngine:
         for. Their output is unchanged. The finished requests the step reported are reported again."""
         queued = self.overlap.take()
         self.scheduler.report_finished(sched.finished_req_ids + (queued.sched.finished_req_ids if queued else []))
+        self.scheduler.prefix.discard_saves(sched.state_saves + (queued.sched.state_saves if queued else []))
         for r in [*sched.scheduled, *(queued.sched.scheduled if queued is not None else [])]:
             seq = self.seqs.get(r.request_id)
             if seq is None:  # it finished in this step: nothing will hand out its output
@@ -298,12 +309,18 @@ class LLMEngine:
                 self.scheduler.preempt(seq)
 
     def cache_info(self) -> dict[str, int]:
-        return self.kv.cache_info() | {"kv_bytes_per_token": self.runner.kv_bytes_per_token}
+        return self.kv.cache_info() | {"kv_bytes_per_token": self.runner.kv_bytes_per_token,
+                                       "state_bytes_per_slot": self.runner.state_bytes_per_slot}
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block and state checkpoint (vLLM's); False while a request holds a cached block."""
+        return self.kv.reset_prefix_cache()
 
     def get_metrics(self) -> dict[str, object]:
-        """The speculative-decoding counters and the governor's (README, "Speculative decoding")."""
+        """The speculative-decoding counters, the governor's, and the prefix cache's (in tokens, as vLLM's)."""
         governor = self.governor.as_dict() if self.governor is not None else SpeculationGovernor().as_dict()
-        return self.spec_metrics.as_dict() | governor
+        prefix = {"prefix_cache_queries": self.kv.num_queried_tokens, "prefix_cache_hits": self.kv.num_hit_tokens}
+        return self.spec_metrics.as_dict() | governor | prefix
 
 
 def _resolve_device(device: str) -> torch.device:

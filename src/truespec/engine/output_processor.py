@@ -109,4 +109,4 @@ def _request_output(seq: Sequence, text: str, first: int) -> RequestOutput:
     # output only, as vLLM
     prompt_logprobs = None if seq.prompt_logprobs is None else list(seq.prompt_logprobs) if first == 0 else []
     return RequestOutput(seq.request_id, seq.prompt, list(seq.prompt_token_ids), prompt_logprobs, [out],
-                         seq.is_finished, metrics)
+                         seq.is_finished, metrics, seq.num_cached_tokens)

@@ -75,7 +75,7 @@ class ParentRequest:
         outputs = [replace(self._latest[i].outputs[0], index=i) for i in shown]
         metrics = _merged_metrics(self.arrival_time, [out.metrics for out in self._latest.values()], finished)
         return RequestOutput(self.request_id, self.prompt, list(self.prompt_token_ids), self._prompt_logprobs_out(),
-                             outputs, finished, metrics)
+                             outputs, finished, metrics, self._latest[min(self._latest)].num_cached_tokens)
 
     def _prompt_logprobs_out(self) -> list[dict[int, float] | None] | None:
         """Every child computes the same prompt logprobs: the parent hands out one copy (a DELTA stream in its first

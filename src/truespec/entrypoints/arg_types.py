@@ -41,6 +41,25 @@ def add_sparse_v_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sparse-v-ctx-threshold", type=at_least(0), default=None, help="default 8192")
 
 
+def add_prefix_caching_args(parser: argparse.ArgumentParser) -> None:
+    """--enable-prefix-caching / --no-enable-prefix-caching, --prefix-state-interval, --prefix-state-budget (unset: the
+    engine's defaults: on; the interval from the model's sizes; 0.1)."""
+    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                        help="reuse the KV (and on hybrid models the recurrent-state checkpoints) of prompt prefixes "
+                             "computed before, with the same tokens as without (default: on)")
+    parser.add_argument("--prefix-state-interval", type=at_least(1), default=None,
+                        help="hybrid models: tokens between recurrent-state checkpoints, a multiple of --block-size "
+                             "(default: the fewest blocks whose KV costs one checkpoint, rounded up to a power of 2)")
+    parser.add_argument("--prefix-state-budget", type=float, default=None,
+                        help="hybrid models: share of the cache memory for state checkpoints, in [0, 1) (default 0.1)")
+
+
+def prefix_caching_kwargs(args: argparse.Namespace) -> dict[str, object]:
+    """The ``LLM`` keywords of the prefix-caching flags that were given."""
+    names = ("enable_prefix_caching", "prefix_state_interval", "prefix_state_budget")
+    return {name: getattr(args, name) for name in names if getattr(args, name) is not None}
+
+
 def sparse_v_kwargs(args: argparse.Namespace) -> dict[str, object]:
     """The ``LLM`` keywords of the sparse-V flags that were given."""
     names = ("sparse_v", "sparse_v_threshold", "sparse_v_ctx_threshold")

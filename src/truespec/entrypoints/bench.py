@@ -25,7 +25,14 @@ from pathlib import Path
 import torch
 
 from truespec.config import CUDAGRAPH_MODES, DTYPES
-from truespec.entrypoints.arg_types import add_sparse_v_args, at_least, sparse_v_kwargs, writable_path
+from truespec.entrypoints.arg_types import (
+    add_prefix_caching_args,
+    add_sparse_v_args,
+    at_least,
+    prefix_caching_kwargs,
+    sparse_v_kwargs,
+    writable_path,
+)
 from truespec.entrypoints.errors import run_command
 from truespec.entrypoints.prompts_file import PROMPT_KEYS, load_rows
 from truespec.entrypoints.verify import json_object
@@ -63,6 +70,7 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cudagraph-mode", choices=CUDAGRAPH_MODES, default=None)
     parser.add_argument("--kv-cache-dtype", default="auto", help="KV cache storage (default auto: the model dtype)")
     add_sparse_v_args(parser)
+    add_prefix_caching_args(parser)
     parser.add_argument("--no-batch-invariant", dest="batch_invariant", action="store_false",
                         help="cuBLAS / skinny projections instead of the batch-invariant kernel (to measure its cost)")
     parser.add_argument("--num-iters", type=at_least(1), default=1, help="timed generate calls per batch size")
@@ -114,7 +122,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
         kwargs["compilation_config"] = {"cudagraph_mode": args.cudagraph_mode}
     if args.kv_cache_dtype != "auto":  # only when asked, as enforce_eager
         kwargs["kv_cache_dtype"] = args.kv_cache_dtype
-    return kwargs | sparse_v_kwargs(args)
+    return kwargs | sparse_v_kwargs(args) | prefix_caching_kwargs(args)
 
 
 def batch_prompts(llm: LLM, args: argparse.Namespace, batch_size: int,
@@ -170,7 +178,9 @@ def bench_batch(llm: LLM, prompts: list[dict], args: argparse.Namespace) -> dict
 
 
 def timed_generate(llm: LLM, prompts: list, params: SamplingParams | list[SamplingParams]) -> tuple[list, float]:
-    """``llm.generate`` and its wall time, the device synchronised on both sides."""
+    """``llm.generate`` and its wall time, the device synchronised on both sides. It starts with an empty prefix
+    cache: a benchmark repeats its prompts, which would otherwise skip their prefill."""
+    llm.reset_prefix_cache()
     synchronize()
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)

@@ -7,7 +7,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 from truespec.config import DTYPES
-from truespec.entrypoints.arg_types import add_sparse_v_args, sparse_v_kwargs
+from truespec.entrypoints.arg_types import (
+    add_prefix_caching_args,
+    add_sparse_v_args,
+    prefix_caching_kwargs,
+    sparse_v_kwargs,
+)
 from truespec.entrypoints.bench import add_parser as add_bench_parser
 from truespec.entrypoints.errors import run_command
 from truespec.entrypoints.eval import add_parser as add_eval_parser
@@ -79,6 +84,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
                         help="KV cache storage (default auto: the model dtype; fp8, TurboQuant presets)")
     add_sparse_v_args(parser)
+    add_prefix_caching_args(parser)
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     parser.add_argument("--cpu-threads", type=int, default=None,
                         help="torch threads on the CPU (default: 1 for small models, else torch's; env "
@@ -105,7 +111,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
                   batch_invariant=args.batch_invariant, structured_outputs_config=args.structured_outputs_config,
                   cpu_threads=args.cpu_threads)
     kwargs.update({k.name: getattr(args, k.name) for k in KNOBS if getattr(args, k.name) is not None})
-    return kwargs | sparse_v_kwargs(args)
+    return kwargs | sparse_v_kwargs(args) | prefix_caching_kwargs(args)
 
 
 def add_prompt_args(parser: argparse.ArgumentParser) -> None:

@@ -29,7 +29,14 @@ import torch
 
 from truespec.assets import DEFAULT_MODEL_DIR
 from truespec.config import CUDAGRAPH_MODES, DTYPES
-from truespec.entrypoints.arg_types import add_sparse_v_args, at_least, sparse_v_kwargs, writable_path
+from truespec.entrypoints.arg_types import (
+    add_prefix_caching_args,
+    add_sparse_v_args,
+    at_least,
+    prefix_caching_kwargs,
+    sparse_v_kwargs,
+    writable_path,
+)
 from truespec.entrypoints.bench import device_name
 from truespec.llm import LLM
 from truespec.sampling_params import SamplingParams
@@ -73,6 +80,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     parser.add_argument("--cudagraph-mode", choices=CUDAGRAPH_MODES, default=None)
     add_sparse_v_args(parser)
+    add_prefix_caching_args(parser)
 
 
 def engine_kwargs(args: argparse.Namespace, num_output_tokens: int) -> dict[str, object]:
@@ -88,7 +96,7 @@ def engine_kwargs(args: argparse.Namespace, num_output_tokens: int) -> dict[str,
         kwargs["enforce_eager"] = True
     if args.cudagraph_mode is not None:
         kwargs["compilation_config"] = {"cudagraph_mode": args.cudagraph_mode}
-    return kwargs | sparse_v_kwargs(args)
+    return kwargs | sparse_v_kwargs(args) | prefix_caching_kwargs(args)
 
 
 # ---- held-out text --------------------------------------------------------------------------------------------

@@ -199,4 +199,4 @@ class EngineLoop:
         info = self.engine.cache_info()
         self.metrics.set_engine_stats(len(scheduler.running), len(scheduler.waiting) + self._num_queued,
                                       1.0 - info["num_free_blocks"] / max(info["num_blocks"], 1),
-                                      self.engine.spec_metrics.as_dict())
+                                      self.engine.get_metrics())

@@ -102,3 +102,8 @@ class _EngineCollector(Collector):
                                           labels=keys)
             counter.add_metric(values, float(spec.get(name, 0)))
             yield counter
+        for name, doc in (("prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
+                          ("prefix_cache_hits", "Prompt tokens found in the prefix cache.")):
+            counter = CounterMetricFamily(PREFIX + name, doc, labels=keys)
+            counter.add_metric(values, float(spec.get(name, 0)))
+            yield counter

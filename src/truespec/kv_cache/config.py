@@ -31,6 +31,10 @@ class CacheConfig:
     sparse_v: str = "off"
     sparse_v_threshold: float = 1e-3
     sparse_v_ctx_threshold: int = 8192
+    # prefix caching: see EngineConfig; the interval's None is resolved from the model's sizes (sizing.py)
+    enable_prefix_caching: bool = True
+    prefix_state_interval: int | None = None
+    prefix_state_budget: float = 0.1
 
     def __post_init__(self) -> None:
         check(is_pos_int(self.block_size), "block_size", f"must be a positive int, got {self.block_size!r}")
@@ -49,6 +53,13 @@ class CacheConfig:
               and self.sparse_v_ctx_threshold >= 0, "sparse_v_ctx_threshold",
               f"must be an int >= 0, got {self.sparse_v_ctx_threshold!r}")
 
+        interval, bs = self.prefix_state_interval, self.block_size
+        check(interval is None or is_pos_int(interval) and interval % bs == 0, "prefix_state_interval",
+              f"must be None or a positive multiple of block_size ({bs}), got {interval!r}")
+        check(is_finite(self.prefix_state_budget) and 0 <= self.prefix_state_budget < 1, "prefix_state_budget",
+              f"must be a number in [0, 1) (the share of the cache memory for state checkpoints), got "
+              f"{self.prefix_state_budget!r}")
+
     @property
     def sparse_v_min_keys(self) -> int | None:
         """Rows with at least this many keys may skip V tiles; None: sparse-V is off (mode off or threshold 0)."""
@@ -61,7 +72,10 @@ class CacheConfig:
         return cls(block_size=config.block_size, kv_cache_dtype=config.kv_cache_dtype,
                    num_gpu_blocks_override=config.num_gpu_blocks_override,
                    gpu_memory_utilization=config.gpu_memory_utilization,
-                   cpu_kv_cache_space_gib=config.cpu_kv_cache_space_gib, **_sparse_v_settings(config))
+                   cpu_kv_cache_space_gib=config.cpu_kv_cache_space_gib,
+                   enable_prefix_caching=config.enable_prefix_caching,
+                   prefix_state_interval=config.prefix_state_interval,
+                   prefix_state_budget=config.prefix_state_budget, **_sparse_v_settings(config))
 
 
 def _sparse_v_settings(config: EngineConfig) -> dict[str, object]:

@@ -1,4 +1,5 @@
-"""How many KV blocks the pool gets, and the longest sequence the engine accepts."""
+"""How many KV blocks the pool gets, the prefix cache's state checkpoints, and the longest sequence the engine
+accepts."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from truespec.kv_cache.config import CacheConfig
+from truespec.kv_cache.manager import PrefixSettings
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -23,9 +25,10 @@ def resolve_max_model_len(max_model_len: int | None, hf_config: PretrainedConfig
 
 
 def num_kv_blocks(cache: CacheConfig, kv_bytes_per_token: int, state_bytes: int, max_model_len: int,
-                  max_num_seqs: int, device: torch.device) -> int:
-    """The override, else what memory allows after ``state_bytes`` of recurrent state (never more blocks
-    than ``max_num_seqs`` requests of ``max_model_len`` tokens can use)."""
+                  max_num_seqs: int, device: torch.device, checkpoint_share: float = 0.0) -> int:
+    """The override, else what memory allows after ``state_bytes`` of recurrent state and ``checkpoint_share`` of
+    the rest for state checkpoints (never more blocks than ``max_num_seqs`` requests of ``max_model_len`` tokens
+    can use)."""
     bs = cache.block_size
     useful = max_num_seqs * -(-max_model_len // bs)
     bytes_per_block = kv_bytes_per_token * bs
@@ -34,12 +37,45 @@ def num_kv_blocks(cache: CacheConfig, kv_bytes_per_token: int, state_bytes: int,
     elif bytes_per_block == 0:
         num_blocks = useful
     else:
-        num_blocks = min(useful, max(0, _budget_bytes(cache, device) - state_bytes) // bytes_per_block)
+        room = int(max(0, _budget_bytes(cache, device) - state_bytes) * (1 - checkpoint_share))
+        num_blocks = min(useful, room // bytes_per_block)
     if num_blocks * bs < max_model_len:
         raise ValueError(f"the KV cache holds {num_blocks} blocks x {bs} tokens = {num_blocks * bs} tokens, "
                          f"fewer than max_model_len={max_model_len}: lower max_model_len or give the cache "
                          "more room (num_gpu_blocks_override / gpu_memory_utilization)")
     return num_blocks
+
+
+def checkpoint_share(cache: CacheConfig, state_bytes_per_slot: int, can_cache: bool = True) -> float:
+    """The share of the cache memory state checkpoints take: ``prefix_state_budget`` on a model with recurrent state
+    and prefix caching on (and possible: ``can_cache``), else 0."""
+    is_on = cache.enable_prefix_caching and can_cache and state_bytes_per_slot
+    return cache.prefix_state_budget if is_on else 0.0
+
+
+def prefix_settings(cache: CacheConfig, num_blocks: int, kv_bytes_per_token: int, state_bytes_per_slot: int,
+                    state_bytes: int, device: torch.device, extra_tokens: int | None,
+                    has_drafter_cache: bool = False) -> PrefixSettings | None:
+    """The prefix cache's settings, None when it is off (``extra_tokens`` None: the drafter cannot share a cache;
+    ``has_drafter_cache``: a model drafter keeps KV of its own in the same blocks).
+
+    State checkpoints (models with recurrent state) take ``prefix_state_budget`` of the cache memory left after the
+    running requests' ``state_bytes`` (``num_kv_blocks`` leaves it out of the KV pool), and never more than one per
+    KV block (a checkpoint is useless without a cached block of its own). The default interval is the fewest blocks
+    whose KV costs at least one checkpoint, rounded up to a power of two: interval checkpoints then at most double
+    the memory of the prefix they cover (Qwen3.5-0.8B: 19.5 MB per checkpoint, 192 KiB per block -> 2048 tokens)."""
+    if not cache.enable_prefix_caching or extra_tokens is None:
+        return None
+    if not state_bytes_per_slot:
+        return PrefixSettings(extra_tokens, has_drafter_cache=has_drafter_cache)
+    bs, share = cache.block_size, cache.prefix_state_budget
+    checkpoint_bytes = share * max(0, _budget_bytes(cache, device) - state_bytes)
+    num_checkpoints = min(num_blocks, int(checkpoint_bytes // state_bytes_per_slot))
+    interval = cache.prefix_state_interval
+    if interval is None:
+        blocks = max(1, -(-state_bytes_per_slot // max(1, bs * kv_bytes_per_token)))
+        interval = bs * (1 << (blocks - 1).bit_length())
+    return PrefixSettings(extra_tokens, num_checkpoints, True, interval, has_drafter_cache)
 
 
 def _budget_bytes(cache: CacheConfig, device: torch.device) -> int:

@@ -3,6 +3,7 @@ so that nothing is allocated for a configuration that cannot work: ``check_specu
 configs and checkpoint headers (before the target loads), ``load_drafter`` loads the drafter's weights (before
 the KV pool is sized), ``make_proposer`` gives it its caches and graphs."""
 
+import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import replace
@@ -17,6 +18,8 @@ from truespec.spec_decode.interface import Proposer
 from truespec.spec_decode.model_drafter import ModelDrafter
 from truespec.spec_decode.ngram import NgramProposer
 from truespec.worker.graph_runner import GraphSettings
+
+logger = logging.getLogger("truespec")
 
 
 def check_speculative_config(config: SpeculativeConfig | None, target_dir: str) -> None:
@@ -60,6 +63,19 @@ def make_proposer(config: SpeculativeConfig | None, head: torch.nn.Module | None
     if config.enforce_eager:
         graphs = replace(graphs, mode="NONE")
     return ModelDrafter(head, k, num_blocks, num_state_slots, device, seed, graphs, hidden_size, kv_cache_dtype)
+
+
+def prefix_cache_extra_tokens(head: torch.nn.Module | None) -> int | None:
+    """Token ids past a KV block that its prefix-cache key must cover for the drafter's cache of it to be valid: 0
+    (no drafter, ngram, a draft model: its KV at a position depends on the tokens up to it), 1 (MTP / EAGLE: the
+    head's KV at position p depends on token p + 1). None: a drafter with recurrent state, whose state is not
+    checkpointed: prefix caching is turned off for it (logged)."""
+    if head is None:
+        return 0
+    if head.gdn_layers():
+        logger.warning("prefix caching is off: the draft model has recurrent state, which is not checkpointed")
+        return None
+    return 1 if getattr(head, "uses_target_hidden", False) else 0
 
 
 def num_lookahead_tokens(config: SpeculativeConfig | None) -> int:

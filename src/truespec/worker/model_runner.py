@@ -11,13 +11,13 @@ from typing import Any
 import torch
 
 from truespec.core.scheduler_output import ScheduledRequest, SchedulerOutput
-from truespec.kv_cache.layout import allocate_caches, kv_bytes_per_token, state_bytes_per_slot
+from truespec.kv_cache.layout import allocate_caches, copy_state_slots, kv_bytes_per_token, state_bytes_per_slot
 from truespec.layers.rejection_sampler import emitted_tokens, greedy_verify, rejection_sample_draws
 from truespec.layers.sampler import request_generator
 from truespec.layers.token_bitmask import apply_token_bitmask_
 from truespec.sampling_params import SamplingParams
 from truespec.worker.graph_runner import GraphRunner, GraphSettings
-from truespec.worker.input_builder import ContextRow, StepInputs
+from truespec.worker.input_builder import ContextRow, StepInputs, to_device_async
 from truespec.worker.prompt_logprobs import QueuedPromptLogprobs, prompt_logprobs_entries, queue_prompt_logprobs
 from truespec.worker.runner_output import ModelRunnerOutput
 
@@ -95,6 +95,8 @@ class ModelRunner:
         accepted counts were read); its drafts are then read back with its tokens."""
         for request_id in sched.finished_req_ids:
             self._generators.pop(request_id, None)
+        if sched.state_saves or sched.state_restores:  # prefix caching's state checkpoints, before the forward
+            self._copy_states(sched.state_saves, sched.state_restores)
         scheduled = sched.scheduled
         rows, input_ids, positions = self.prepare(scheduled)
         hidden, inputs = self.graphs.run(rows, input_ids, positions, decode_only=sched.is_decode_only,
@@ -122,6 +124,15 @@ class ModelRunner:
         step.prompt_logprobs = queue_prompt_logprobs(self.model, hidden, scheduled, ctx.query_start_loc_cpu)
         self._record_done(step)
         return step
+
+    def _copy_states(self, saves: list[tuple[int, int]], restores: list[tuple[int, int]]) -> None:
+        """Saves (a slot saved twice keeps the later save), then restores, as (source, destination) state slots; the
+        slot ids reach the device without waiting for it (async scheduling keeps overlapping)."""
+        for copies in (saves, restores):
+            last = {dst: src for src, dst in copies}
+            if last and self.model.gdn_layers():
+                ids = to_device_async([*last.values(), *last], self.device)
+                copy_state_slots(self.model, ids[:len(last)], ids[len(last):])
 
     def _grammar_bitmask(self, host: torch.Tensor) -> torch.Tensor:
         """The step's grammar mask on the device: the host's, copied once (not waited for)."""

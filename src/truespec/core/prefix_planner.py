@@ -1,0 +1,104 @@
+"""What prefix caching adds to scheduling (plain Python, no torch): a new request's cached prefix, prefill chunks
+that end at state checkpoints, and the state copies a step carries.
+
+- **Admission**: a new (or preempted) request starts after the longest cached prefix it can use
+  (``KVCacheManager.find_prefix``): its table begins with the shared blocks, and on a hybrid model the checkpoint
+  of the state after that prefix is copied into slot 0 of its group before its first chunk runs (a *restore*).
+- **Progress**: before each step, every running request's newly completed blocks are cached, and where its previous
+  step passed a checkpoint position (kv_cache/state_checkpoints.py) the state there is copied out of its group into
+  a checkpoint slot (a *save*). A step keeps the state after query token ``i`` in group slot ``i - write_start``
+  (``write_start`` = its sequence tokens - 1: a prefill chunk keeps only its end, a decode / verify every position
+  it computed), so the state after position ``P`` is in slot ``P - start - num_new_tokens``, for ``P`` from the
+  end of its sequence tokens to its last accepted token.
+- **Chunks**: on a hybrid model a prefill chunk never runs past the next checkpoint position, so every prompt leaves
+  its checkpoints behind.
+
+Saves, then restores, run on the device at the start of the next step that runs, before its forward (outside any
+CUDA graph: ``SchedulerOutput.state_saves`` / ``state_restores``), so nothing overwrites a slot before it is copied.
+A step whose progress the host never sees (a verify queued ahead, engine/async_scheduler.py) saves nothing.
+"""
+
+from truespec.core.sequence import PLACEHOLDER, Sequence
+from truespec.kv_cache.manager import NO_HIT, KVCacheManager, PrefixHit
+from truespec.kv_cache.state_checkpoints import is_checkpoint_position, next_checkpoint_position
+
+
+class PrefixPlanner:
+    def __init__(self, kv: KVCacheManager) -> None:
+        self.kv = kv
+        self.is_enabled = kv.prefix is not None
+        self.needs_checkpoints = self.is_enabled and kv.prefix.needs_checkpoints
+        self._steps: dict[str, tuple[int, int, int]] = {}  # request -> (start, new tokens, first slot) of its step
+        self._saves: list[tuple[int, int]] = []  # (group slot, checkpoint slot) not yet handed to a step
+
+    # ---- admission ---------------------------------------------------------------------------------
+    def find(self, seq: Sequence) -> PrefixHit:
+        """A request with prompt logprobs computes every prompt position (its logits give them), as in vLLM."""
+        if not self.is_enabled or seq.params.prompt_logprobs is not None:
+            return NO_HIT
+        return self.kv.find_prefix(seq.request_id, seq.token_slice(0, _num_known_tokens(seq)))
+
+    def take(self, seq: Sequence, hit: PrefixHit, restores: list[tuple[int, int]]) -> None:
+        """``seq`` (admitted, its state group allocated) starts after ``hit``. Counted once per request."""
+        is_first = seq.num_preemptions == 0
+        self.kv.take_prefix(seq.request_id, hit, seq.num_tokens if is_first else None)
+        if is_first:
+            seq.num_cached_tokens = hit.num_tokens
+        seq.num_computed_tokens = hit.num_tokens
+        if hit.checkpoint_slot is not None:
+            restores.append((hit.checkpoint_slot, self.kv.first_state_slot(seq.request_id)))
+
+    # ---- chunks ------------------------------------------------------------------------------------
+    def chunk_limit(self, seq: Sequence) -> int | None:
+        """The most tokens ``seq``'s next chunk may compute (up to the next checkpoint position); None: no limit."""
+        if not self.needs_checkpoints:
+            return None
+        start, prefix = seq.num_computed_tokens, self.kv.prefix
+        return next_checkpoint_position(start, seq.prompt_len, prefix.checkpoint_interval, self.kv.block_size) - start
+
+    def scheduled(self, seq: Sequence, num_new_tokens: int, first_state_slot: int) -> None:
+        if self.is_enabled:
+            self._steps[seq.request_id] = (seq.num_computed_tokens, num_new_tokens, first_state_slot)
+
+    def forget_step(self, request_id: str) -> None:
+        """The request's group no longer holds its last step's states as the host planned them."""
+        self._steps.pop(request_id, None)
+
+    # ---- progress ----------------------------------------------------------------------------------
+    def progress(self, seq: Sequence, is_finished: bool = False) -> None:
+        """Cache ``seq``'s completed blocks and save the checkpoints its last step passed. ``is_finished``: it
+        finished in that step, so a model drafter never caught up on the step's positions: they are not cached."""
+        kv, request_id, bs = self.kv, seq.request_id, self.kv.block_size
+        step = self._steps.pop(request_id, None)
+        computed = seq.num_computed_tokens
+        if is_finished and kv.prefix.has_drafter_cache:
+            computed = step[0] if step is not None else 0
+        known = _num_known_tokens(seq)
+        if min(computed, known - kv.prefix.extra_tokens) // bs > kv.num_cached_blocks_of(request_id):
+            kv.cache_blocks(request_id, seq.token_slice(0, known), computed)
+        if step is None or not self.needs_checkpoints:
+            return
+        start, num_new, first_slot = step
+        interval = kv.prefix.checkpoint_interval
+        for position in range(-(-(start + num_new) // bs) * bs, computed + 1, bs):
+            if is_checkpoint_position(position, seq.prompt_len, interval, bs):
+                slot = kv.add_checkpoint(request_id, position)
+                if slot is not None:
+                    self._saves.append((first_slot + position - start - num_new, slot))
+
+    def take_saves(self) -> list[tuple[int, int]]:
+        saves, self._saves = self._saves, []
+        return saves
+
+    def discard_saves(self, saves: list[tuple[int, int]]) -> None:
+        """A step that carried ``saves`` failed, maybe before they ran: forget their checkpoints."""
+        for _, slot in saves:
+            self.kv.checkpoints.discard_slot(slot)
+
+
+def _num_known_tokens(seq: Sequence) -> int:
+    """Tokens known on the host: an async step's placeholder at the end is not."""
+    known = seq.num_tokens
+    while known > seq.prompt_len and seq.output_token_ids[known - seq.prompt_len - 1] == PLACEHOLDER:
+        known -= 1
+    return known
