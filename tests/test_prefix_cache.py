@@ -121,6 +121,15 @@ def test_enable_prefix_caching_must_be_a_bool() -> None:
         EngineConfig(model="m", enable_prefix_caching="yes")
 
 
+def test_prefix_caching_default_is_on_for_cpu_and_opt_in_on_cuda() -> None:
+    from truespec.config import EngineConfig
+
+    default, chosen = EngineConfig(model="m"), EngineConfig(model="m", enable_prefix_caching=True)
+    assert CacheConfig.from_engine_config(default, is_cuda=False).enable_prefix_caching
+    assert not CacheConfig.from_engine_config(default, is_cuda=True).enable_prefix_caching
+    assert CacheConfig.from_engine_config(chosen, is_cuda=True).enable_prefix_caching
+
+
 # ---- the scheduler ----------------------------------------------------------------------------------------
 def scheduler(checkpoints: int = 0, interval: int = 8, budget: int = 64) -> Scheduler:
     return Scheduler(manager(num_blocks=32, checkpoints=checkpoints, interval=interval), 2, budget)

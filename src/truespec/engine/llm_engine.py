@@ -128,7 +128,8 @@ class LLMEngine:
     def check_config(config: EngineConfig) -> tuple[CacheConfig, torch.device]:
         """Everything that can be checked before anything loads: the cache settings, the device, and the
         drafter (from its files' configs and headers). Returns the cache config and the device."""
-        cache, device = CacheConfig.from_engine_config(config), _resolve_device(config.device)
+        device = _resolve_device(config.device)
+        cache = CacheConfig.from_engine_config(config, is_cuda=device.type == "cuda")
         check_speculative_config(config.speculative_config, config.model)
         return cache, device
 
