@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from truespec.kernels.triton_utils import mma, reduce_sum
+from truespec.kernels.triton_utils import mma, reduce_max, reduce_sum
 
 MODEL, FP8, LLOYD_MAX, UNIFORM = 0, 1, 2, 3  # tile encodings (KEY_ENC / VALUE_ENC), as the host passes them
 # the same, readable inside @triton.jit code (compiled kernels may read only constexpr globals)
@@ -71,6 +71,29 @@ def load_fp16(ptr, mask):
 def load_fp8(ptr, mask):
     """float8_e4m3fn bytes at ``ptr``, widened exactly to fp32 (masked lanes read 0)."""
     return tl.load(ptr, mask=mask, other=0).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def tile_slots(block_tables_ptr, r, stride_bt_req, n, n_mask, d, stride_cache_block, stride_cache_slot,
+               BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr):  # fmt: skip
+    """Where request ``r``'s keys ``n`` [BLOCK_N] sit in the paged cache: their slot offsets [BLOCK_N] from a kv
+    head's base (elements; bytes for a packed cache) and the [BLOCK_N, HEAD_DIM_PAD] mask of the tile's live
+    elements (keys in ``n_mask``, dims below HEAD_DIM)."""
+    blocks = tl.load(block_tables_ptr + r * stride_bt_req + n // BLOCK_SIZE, mask=n_mask, other=0)
+    slot_off = blocks * stride_cache_block + (n % BLOCK_SIZE) * stride_cache_slot  # int64
+    return slot_off, n_mask[:, None] & (d[None, :] < HEAD_DIM)
+
+
+@triton.jit
+def online_softmax_step(m, l, s):
+    """One tile of the online softmax: scaled scores ``s`` [rows, BLOCK_N] (-inf where masked; every row holds a
+    finite one somewhere before or in this tile) against the running max ``m`` and sum ``l`` [rows]. Returns the
+    new max, ``alpha`` = exp(m - m_new) that rescales what was accumulated, the weights p = exp(s - m_new) and the
+    new sum."""
+    m_new = tl.maximum(m, reduce_max(s, 1))
+    alpha = tl.exp(m - m_new)
+    p = tl.exp(s - m_new[:, None])
+    return m_new, alpha, p, l * alpha + reduce_sum(p, 1)
 
 
 @triton.jit

@@ -59,7 +59,15 @@ import torch
 import triton
 import triton.language as tl
 
-from truespec.kernels.kv_tiles import MODEL, CacheTiles, tile_pv, tile_queries, tile_scores
+from truespec.kernels.kv_tiles import (
+    MODEL,
+    CacheTiles,
+    online_softmax_step,
+    tile_pv,
+    tile_queries,
+    tile_scores,
+    tile_slots,
+)
 from truespec.kernels.triton_utils import (
     find_request,
     needs_dot_upcast,
@@ -167,17 +175,13 @@ def _paged_attention_kernel(
     for tile_start in range(key_start, key_end, BLOCK_N):
         n = tile_start + tl.arange(0, BLOCK_N)
         n_mask = n < key_end
-        blocks = tl.load(block_tables_ptr + r * stride_bt_req + n // BLOCK_SIZE, mask=n_mask, other=0)
-        slot_off = blocks * stride_cache_block + (n % BLOCK_SIZE) * stride_cache_slot  # [BLOCK_N] int64
-        kv_mask = n_mask[:, None] & (d[None, :] < HEAD_DIM)
+        slot_off, kv_mask = tile_slots(block_tables_ptr, r, stride_bt_req, n, n_mask, d, stride_cache_block,
+                                       stride_cache_slot, BLOCK_SIZE, HEAD_DIM)  # fmt: skip
         s = tile_scores(q, q_lo, cache_head_ptr, slot_off, d, n_mask, kv_mask, centroids_ptr, KEY_ENC, KEY_BITS,
                         KEY_CODE_BYTES, ACC_DTYPE, DOT_DTYPE, UPCAST)  # fmt: skip
         s = s * scale_acc  # [GROUP_PAD, BLOCK_N]
         s = tl.where(n_mask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, reduce_max(s, 1))  # finite: every tile holds a key of this split
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(s - m_new[:, None])
-        l = l * alpha + reduce_sum(p, 1)
+        m_new, alpha, p, l = online_softmax_step(m, l, s)  # m_new finite: every tile holds a key of this split
         value_ptr = cache_head_ptr + value_offset
         if SPARSE_V:
             # the tile's largest weight p / l over the program's query heads (the GQA padding rows excluded)

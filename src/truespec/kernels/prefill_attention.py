@@ -28,15 +28,13 @@ import torch
 import triton
 import triton.language as tl
 
-from truespec.kernels.kv_tiles import CacheTiles, tile_pv, tile_queries, tile_scores
+from truespec.kernels.kv_tiles import CacheTiles, online_softmax_step, tile_pv, tile_queries, tile_scores, tile_slots
 from truespec.kernels.paged_attention import dot_dtype, model_cache_tiles
 from truespec.kernels.paged_attention_packed import KVFormat, packed_cache_tiles
 from truespec.kernels.triton_utils import (
     find_request,
     needs_dot_upcast,
     pad_pow2,
-    reduce_max,
-    reduce_sum,
     tl_compute_dtype,
 )
 
@@ -112,16 +110,12 @@ def _prefill_attention_kernel(
     for tile_start in range(0, num_keys, BLOCK_N):
         n = tile_start + tl.arange(0, BLOCK_N)
         n_mask = n < num_keys
-        blocks = tl.load(block_tables_ptr + r * stride_bt_req + n // BLOCK_SIZE, mask=n_mask, other=0)
-        slot_off = blocks * stride_cache_block + (n % BLOCK_SIZE) * stride_cache_slot
-        kv_mask = n_mask[:, None] & (d[None, :] < HEAD_DIM)
+        slot_off, kv_mask = tile_slots(block_tables_ptr, r, stride_bt_req, n, n_mask, d, stride_cache_block,
+                                       stride_cache_slot, BLOCK_SIZE, HEAD_DIM)  # fmt: skip
         s = tile_scores(q, q_lo, cache_head_ptr, slot_off, d, n_mask, kv_mask, centroids_ptr, KEY_ENC, KEY_BITS,
                         KEY_CODE_BYTES, ACC_DTYPE, DOT_DTYPE, UPCAST)  # fmt: skip
         s = tl.where(n[None, :] <= position[:, None], s * scale_acc, float("-inf"))  # causal (and n < num_keys)
-        m_new = tl.maximum(m, reduce_max(s, 1))  # finite: tile 0 holds key 0, which every row sees
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(s - m_new[:, None])
-        l = l * alpha + reduce_sum(p, 1)
+        m_new, alpha, p, l = online_softmax_step(m, l, s)  # m_new finite: tile 0 holds key 0, which every row sees
         acc = acc * alpha[:, None] + tile_pv(p, cache_head_ptr + value_offset, slot_off, d, n_mask, kv_mask,
                                              VALUE_ENC, VALUE_BITS, VALUE_CODE_BYTES, ACC_DTYPE, DOT_DTYPE,
                                              UPCAST)  # fmt: skip
