@@ -5,30 +5,21 @@ rows (``paged_attention``), the tiled prefill kernel (``prefill_attention``) and
 
     python3 benchmarks/prefill_attention_speed.py [--prompts 512 8192 32768] [--batch-sizes 1 8] [--json FILE]
 
-Prints ms per call and achieved TFLOP/s (causal: 2 * 2 * heads * D * L^2 / 2 per prompt) and a markdown table last.
+Prints ms per call (``triton.testing.do_bench``, median) and achieved TFLOP/s (causal: 2 * 2 * heads * D * L^2 / 2
+per prompt) and a markdown table last.
 """
 
 import argparse
 import json
-import time
 
 import torch
 import torch.nn.functional as F
+from triton.testing import do_bench
 
 from truespec.kernels.paged_attention import paged_attention
 from truespec.kernels.prefill_attention import prefill_attention
 
 HEADS, KV_HEADS, D, BLOCK = 8, 2, 256, 16
-
-
-def _time(fn, iters: int = 5) -> float:
-    fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / iters
 
 
 def measure(prompt: int, batch_size: int) -> dict[str, float]:
@@ -45,8 +36,10 @@ def measure(prompt: int, batch_size: int) -> dict[str, float]:
     v = cache[1].view(batch_size, -1, KV_HEADS, D)[:, :prompt].transpose(1, 2).repeat_interleave(HEADS // KV_HEADS, 1)
     qb = q.view(batch_size, prompt, HEADS, D).transpose(1, 2)
     flops = batch_size * 2 * HEADS * D * prompt * prompt  # QK^T + PV over the causal half
-    times = {"split_kv": _time(lambda: paged_attention(*args)), "prefill": _time(lambda: prefill_attention(*args)),
-             "sdpa": _time(lambda: F.scaled_dot_product_attention(qb, k, v, is_causal=True))}  # fmt: skip
+    # seconds per call: triton's do_bench (warm-up, then the median of timed calls, its L2 cache flushed between)
+    times = {name: do_bench(fn, return_mode="median") / 1e3 for name, fn in (
+        ("split_kv", lambda: paged_attention(*args)), ("prefill", lambda: prefill_attention(*args)),
+        ("sdpa", lambda: F.scaled_dot_product_attention(qb, k, v, is_causal=True)))}  # fmt: skip
     ref, out = paged_attention(*args).float(), prefill_attention(*args).float()
     return {"max_abs_diff": (ref - out).abs().max().item(),
             **{f"{name}_ms": t * 1e3 for name, t in times.items()},
