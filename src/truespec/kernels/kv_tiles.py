@@ -1,4 +1,5 @@
-"""How the paged attention kernel (kernels/paged_attention.py) reads one tile of keys or values from its cache.
+"""How the attention kernels (kernels/paged_attention.py, kernels/prefill_attention.py) read one tile of keys or
+values from their cache, and the online-softmax step they share.
 
 A tile is BLOCK_N cache slots of one KV head, given as their offsets [BLOCK_N] from the head's base pointer.
 The encoding of keys and of values is a compile-time constant, so each cache dtype compiles to its own loop:
@@ -8,7 +9,8 @@ The encoding of keys and of values is a compile-time constant, so each cache dty
   before the packed formats shared this loop.
 - ``FP8`` keys / values: HEAD_DIM float8_e4m3fn bytes, widened exactly (scale 1.0, as the reference).
 - ``LLOYD_MAX`` keys (``turboquant_*_nc``): the wrapper rotates q once (q @ H); each coordinate's code is unpacked
-  from the little-endian bit stream (two byte loads and a shift, so 3-bit codes straddling a byte come out right),
+  from the little-endian bit stream (one byte load and a shift for 4-bit codes; two for 3-bit codes, which may
+  straddle a byte),
   its centroid looked up in a small table, and the score is ``<q_rot, c> * norm / ||c||`` (norm correction): keys
   are never rotated back.
 - ``UNIFORM`` values: codes unpacked the same way, ``v = code * scale + zero`` (fp16 scale / zero).
