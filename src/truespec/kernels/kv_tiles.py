@@ -10,9 +10,8 @@ The encoding of keys and of values is a compile-time constant, so each cache dty
 - ``FP8`` keys / values: HEAD_DIM float8_e4m3fn bytes, widened exactly (scale 1.0, as the reference).
 - ``LLOYD_MAX`` keys (``turboquant_*_nc``): the wrapper rotates q once (q @ H); each coordinate's code is unpacked
   from the little-endian bit stream (one byte load and a shift for 4-bit codes; two for 3-bit codes, which may
-  straddle a byte),
-  its centroid looked up in a small table, and the score is ``<q_rot, c> * norm / ||c||`` (norm correction): keys
-  are never rotated back.
+  straddle a byte), its centroid looked up in a small table, and the score is ``<q_rot, c> * norm / ||c||`` (norm
+  correction): keys are never rotated back.
 - ``UNIFORM`` values: codes unpacked the same way, ``v = code * scale + zero`` (fp16 scale / zero).
 
 Packed slots (kv_cache/formats.py) hold the key part then the value part, multi-byte fields little-endian; decoded
