@@ -38,7 +38,7 @@ from truespec.kernels.triton_utils import (
     tl_compute_dtype,
 )
 
-BLOCK_M, BLOCK_N, NUM_WARPS = 16, 64, 4
+BLOCK_M, BLOCK_N, NUM_WARPS, NUM_STAGES = 16, 64, 4, 3  # 3 stages: triton's default on CUDA
 
 
 @triton.jit(do_not_specialize=["num_reqs", "stride_bt_req"])
@@ -137,6 +137,7 @@ def prefill_attention(
     block_m: int = BLOCK_M,
     block_n: int = BLOCK_N,
     num_warps: int = NUM_WARPS,
+    num_stages: int = NUM_STAGES,
 ) -> torch.Tensor:
     """Causal attention of q [T, num_heads, head_dim] over the paged ``kv_cache``, as ``paged_attention`` (or
     ``paged_attention_packed`` with ``fmt``, a packed kv_cache_dtype) computes it: query token i of request r
@@ -160,7 +161,7 @@ def prefill_attention(
     tile_offsets = _tile_offsets(query_start_loc, block_m)
     grid = (triton.cdiv(num_tokens, block_m) + num_reqs, tiles.num_kv_heads)
     _launch(grid, out, q_in, tiles, query_start_loc, seq_lens, block_tables, tile_offsets, scale, group, block_m,
-            block_n, num_warps)  # fmt: skip
+            block_n, num_warps, num_stages)  # fmt: skip
     return out
 
 
@@ -174,7 +175,7 @@ def _tile_offsets(query_start_loc: torch.Tensor, block_m: int) -> torch.Tensor:
 def _launch(grid: tuple[int, int], out: torch.Tensor, q: torch.Tensor, tiles: CacheTiles,
             query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
             tile_offsets: torch.Tensor, scale: float, group: int, block_m: int, block_n: int,
-            num_warps: int) -> None:  # fmt: skip
+            num_warps: int, num_stages: int) -> None:  # fmt: skip
     head_dim = q.shape[-1]
     _prefill_attention_kernel[grid](
         out, q, tiles.cache, tiles.centroids, query_start_loc, seq_lens, block_tables, tile_offsets,
@@ -182,5 +183,6 @@ def _launch(grid: tuple[int, int], out: torch.Tensor, q: torch.Tensor, tiles: Ca
         *tiles.strides, block_tables.stride(0),
         HEAD_DIM=head_dim, HEAD_DIM_PAD=pad_pow2(head_dim), GROUP=group, GROUP_PAD=pad_pow2(group, 1),
         BLOCK_SIZE=tiles.block_size, BLOCK_M=block_m, BLOCK_N=block_n, ACC_DTYPE=tl_compute_dtype(out.dtype),
-        DOT_DTYPE=dot_dtype(out.dtype), UPCAST=needs_dot_upcast(out.dtype), num_warps=num_warps, **tiles.encoding,
+        DOT_DTYPE=dot_dtype(out.dtype), UPCAST=needs_dot_upcast(out.dtype), num_warps=num_warps, num_stages=num_stages,
+        **tiles.encoding,
     )  # fmt: skip
