@@ -4,7 +4,7 @@ rows (``paged_attention``), the tiled prefill kernel (``prefill_attention``) and
 (8 query / 2 kv heads of 256), bf16, block size 16, whole prompts as one chunk.
 
     python3 benchmarks/prefill_attention_speed.py [--prompts 512 8192 32768] [--batch-sizes 1 8] [--json FILE]
-    python3 benchmarks/prefill_attention_speed.py --tune [--prompts 8192]   # the prefill kernel's block sizes
+    python3 benchmarks/prefill_attention_speed.py --tune [--prompts 8192] [--kv-dtypes auto fp8 ...]  # block sizes
 
 Prints ms per call (``triton.testing.do_bench``, median) and achieved TFLOP/s (causal: 2 * 2 * heads * D * L^2 / 2
 per prompt) and a markdown table last.
@@ -21,6 +21,7 @@ from triton.testing import do_bench
 
 from truespec.kernels.paged_attention import paged_attention
 from truespec.kernels.prefill_attention import prefill_attention
+from truespec.kv_cache.formats import FORMATS
 
 HEADS, KV_HEADS, D, BLOCK = 8, 2, 256, 16
 
@@ -49,30 +50,37 @@ def measure(prompt: int, batch_size: int) -> dict[str, float]:
             **{f"{name}_tflops": flops / t / 1e12 for name, t in times.items()}}  # fmt: skip
 
 
-def tune(prompt: int, batch_size: int) -> None:
-    """Times the prefill kernel over (BLOCK_M, BLOCK_N, warps, stages) and prints the ranking, fastest first."""
+def tune(prompt: int, batch_size: int, kv_dtype: str) -> None:
+    """Times the prefill kernel over (BLOCK_M, BLOCK_N, warps, stages) on a ``kv_dtype`` cache ("auto": bf16) and
+    prints the ranking, fastest first (random packed bytes: the timing does not depend on the values)."""
     gen = torch.Generator(device="cuda").manual_seed(0)
     blocks_per = -(-prompt // BLOCK)
-    cache = torch.randn(2, batch_size * blocks_per, BLOCK, KV_HEADS, D, device="cuda", dtype=torch.bfloat16,
-                        generator=gen)  # fmt: skip
     q = torch.randn(batch_size * prompt, HEADS, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+    fmt = None if kv_dtype == "auto" else FORMATS[kv_dtype]
+    if fmt is None:
+        cache = torch.randn(2, batch_size * blocks_per, BLOCK, KV_HEADS, D, device="cuda", dtype=torch.bfloat16,
+                            generator=gen)  # fmt: skip
+    else:
+        shape = (batch_size * blocks_per, BLOCK, KV_HEADS, fmt.bytes_per_token(D))
+        cache = torch.randint(0, 256, shape, device="cuda", dtype=torch.uint8, generator=gen)
     qsl = torch.arange(batch_size + 1, device="cuda") * prompt
     seq_lens = torch.full((batch_size,), prompt, device="cuda")
     tables = torch.arange(batch_size * blocks_per, device="cuda").view(batch_size, blocks_per)
     args = (q, cache, qsl, seq_lens, tables, D**-0.5)
     flops = batch_size * 2 * HEADS * D * prompt * prompt
     results = []
-    for block_m, block_n, warps, stages in itertools.product((8, 16, 32), (32, 64), (4, 8), (2, 3)):
-        fn = functools.partial(prefill_attention, *args, block_m=block_m, block_n=block_n, num_warps=warps,
-                               num_stages=stages)  # fmt: skip
+    for block_m, block_n, warps, stages in itertools.product((8, 16, 32), (32, 64), (4, 8), (1, 2, 3)):
+        fn = functools.partial(prefill_attention, *args, fmt=fmt, block_m=block_m, block_n=block_n,
+                               num_warps=warps, num_stages=stages)  # fmt: skip
         try:
             ms = do_bench(fn, return_mode="median")
         except Exception as e:  # out of shared memory / registers: not a candidate
             print(f"BLOCK_M={block_m} BLOCK_N={block_n} warps={warps} stages={stages}: {type(e).__name__}")
             continue
         results.append((ms, block_m, block_n, warps, stages))
-    print(f"\n{torch.cuda.get_device_name()}: prefill kernel, prompt {prompt}, BS {batch_size}, fastest first")
-    for ms, block_m, block_n, warps, stages in sorted(results)[:12]:
+    print(f"\n{torch.cuda.get_device_name()}: prefill kernel, {kv_dtype}, prompt {prompt}, BS {batch_size}, "
+          "fastest first")  # fmt: skip
+    for ms, block_m, block_n, warps, stages in sorted(results)[:6]:
         print(f"BLOCK_M={block_m} BLOCK_N={block_n} warps={warps} stages={stages}: {ms:.3f} ms "
               f"({flops / ms / 1e9:.0f} TFLOP/s)")  # fmt: skip
 
@@ -83,10 +91,12 @@ def main() -> None:
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--json", default=None)
     parser.add_argument("--tune", action="store_true", help="sweep the prefill kernel's block sizes instead")
+    parser.add_argument("--kv-dtypes", nargs="+", default=["auto"], help="caches --tune sweeps (kv_cache_dtype)")
     args = parser.parse_args()
     if args.tune:
-        for prompt in args.prompts:
-            tune(prompt, args.batch_sizes[0])
+        for kv_dtype in args.kv_dtypes:
+            for prompt in args.prompts:
+                tune(prompt, args.batch_sizes[0], kv_dtype)
         return
     rows = {}
     for prompt in args.prompts:
