@@ -69,7 +69,7 @@ def tune(prompt: int, batch_size: int, kv_dtype: str) -> None:
     args = (q, cache, qsl, seq_lens, tables, D**-0.5)
     flops = batch_size * 2 * HEADS * D * prompt * prompt
     results = []
-    for block_m, block_n, warps, stages in itertools.product((8, 16, 32), (32, 64), (4, 8), (1, 2, 3)):
+    for block_m, block_n, warps, stages in itertools.product((16, 32), (32, 64), (4, 8), (1, 2, 3)):
         fn = functools.partial(prefill_attention, *args, fmt=fmt, block_m=block_m, block_n=block_n,
                                num_warps=warps, num_stages=stages)  # fmt: skip
         try:
