@@ -40,9 +40,10 @@ def next_turns(prompts: list[dict], outputs: list[list[int]]) -> list[dict]:
 
 # tokens the cache gives each request run one at a time (first_prompts, then next_turns), with the blocks of 16:
 # the whole chain of full blocks before the last prompt token; on the hybrid model only up to a checkpoint (interval
-# 32, prompt ends). Turn 2 of prompt 0 (87 tokens): its first turn cached 80 tokens (70 + 11 computed outputs),
-# the hybrid resumes at 64 (no checkpoint at 80); turn 2 of prompt 6: 48 on both (the first prompt's end).
-EXPECTED = {"dense": [0, 0, 32, 64, 32, 64, 0, 32, 80, 48], "hybrid": [0, 0, 32, 64, 32, 64, 0, 32, 64, 48]}
+# 32, prompt ends). Only prompt positions are cached (core/prefix_planner.py): turn 2 of prompt 0 (87 tokens)
+# resumes at 64 on both (its 70-token first prompt's full blocks; its outputs are computed again); turn 2 of
+# prompt 6: 48 on both (the first prompt's end).
+EXPECTED = {"dense": [0, 0, 32, 64, 32, 64, 0, 32, 64, 48], "hybrid": [0, 0, 32, 64, 32, 64, 0, 32, 64, 48]}
 
 
 def llm(model: Path, **kw: object) -> LLM:

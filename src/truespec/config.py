@@ -36,8 +36,8 @@ class EngineConfig:
     # requests and kept after them; on hybrid models with recurrent-state checkpoints every prefix_state_interval
     # tokens (a block multiple; None: the fewest blocks whose KV costs as much as one checkpoint, rounded up to a
     # power of two) and at each prompt's end, in a pool that takes prefix_state_budget of the cache memory.
-    # None: on for CPU devices; on CUDA off until its bf16 / CUDA-graph proof has run (README, "Prefix caching")
-    enable_prefix_caching: bool | None = None
+    # On by default on every device (README, "Prefix caching", says why)
+    enable_prefix_caching: bool = True
     prefix_state_interval: int | None = None
     prefix_state_budget: float = 0.1
     seed: int = 0
@@ -67,8 +67,8 @@ class EngineConfig:
         check(self.cpu_threads is None or (isinstance(self.cpu_threads, int) and not isinstance(self.cpu_threads, bool)
                                            and self.cpu_threads >= 1), "cpu_threads",
               f"must be a positive int or None, got {self.cpu_threads!r}")
-        check(self.enable_prefix_caching is None or isinstance(self.enable_prefix_caching, bool),
-              "enable_prefix_caching", f"must be a bool or None, got {self.enable_prefix_caching!r}")
+        check(isinstance(self.enable_prefix_caching, bool), "enable_prefix_caching",
+              f"must be a bool, got {self.enable_prefix_caching!r}")
         check(isinstance(self.batch_invariant, bool), "batch_invariant",
               f"must be a bool, got {self.batch_invariant!r}")
         check(self.async_scheduling is None or isinstance(self.async_scheduling, bool), "async_scheduling",

@@ -10,6 +10,10 @@ that end at state checkpoints, and the state copies a step carries.
   (``write_start`` = its sequence tokens - 1: a prefill chunk keeps only its end, a decode / verify every position
   it computed), so the state after position ``P`` is in slot ``P - start - num_new_tokens``, for ``P`` from the
   end of its sequence tokens to its last accepted token.
+- **Only prompt positions are cached** (blocks and checkpoints up to the prompt's length): on CUDA a prompt position
+  and a generated one are computed by different attention kernels (kernels/prefill_attention.py for positions
+  before the prompt's end, the split-KV kernel for decodes and verifies), so a generated position's KV is not what a
+  later request that has it in its prompt would compute; sharing it would change that request's tokens.
 - **Chunks**: on a hybrid model a prefill chunk never runs past the next checkpoint position, so every prompt leaves
   its checkpoints behind.
 
@@ -73,6 +77,7 @@ class PrefixPlanner:
         computed = seq.num_computed_tokens
         if is_finished and kv.prefix.has_drafter_cache:
             computed = step[0] if step is not None else 0
+        computed = min(computed, seq.prompt_len)  # only prompt positions are shared (module docstring)
         known = _num_known_tokens(seq)
         if min(computed, known - kv.prefix.extra_tokens) // bs > kv.num_cached_blocks_of(request_id):
             kv.cache_blocks(request_id, seq.token_slice(0, known), computed)

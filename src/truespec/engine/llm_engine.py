@@ -129,7 +129,7 @@ class LLMEngine:
         """Everything that can be checked before anything loads: the cache settings, the device, and the
         drafter (from its files' configs and headers). Returns the cache config and the device."""
         device = _resolve_device(config.device)
-        cache = CacheConfig.from_engine_config(config, is_cuda=device.type == "cuda")
+        cache = CacheConfig.from_engine_config(config)
         check_speculative_config(config.speculative_config, config.model)
         return cache, device
 

@@ -43,11 +43,10 @@ def add_sparse_v_args(parser: argparse.ArgumentParser) -> None:
 
 def add_prefix_caching_args(parser: argparse.ArgumentParser) -> None:
     """--enable-prefix-caching / --no-enable-prefix-caching, --prefix-state-interval, --prefix-state-budget (unset: the
-    engine's defaults: on for CPU, off on CUDA until measured; the interval from the model's sizes; 0.1)."""
+    engine's defaults: on; the interval from the model's sizes; 0.1)."""
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                         help="reuse the KV (and on hybrid models the recurrent-state checkpoints) of prompt prefixes "
-                             "computed before, with the same tokens as without (default: on for CPU; on CUDA "
-                             "off until its bf16 / CUDA-graph proof has run)")
+                             "computed before, with the same tokens as without (default: on)")
     parser.add_argument("--prefix-state-interval", type=at_least(1), default=None,
                         help="hybrid models: tokens between recurrent-state checkpoints, a multiple of --block-size "
                              "(default: the fewest blocks whose KV costs one checkpoint, rounded up to a power of 2)")

@@ -32,7 +32,7 @@ class CacheConfig:
     sparse_v_threshold: float = 1e-3
     sparse_v_ctx_threshold: int = 8192
     # prefix caching: see EngineConfig; the interval's None is resolved from the model's sizes (sizing.py)
-    enable_prefix_caching: bool = True  # EngineConfig's None is resolved per device (from_engine_config)
+    enable_prefix_caching: bool = True
     prefix_state_interval: int | None = None
     prefix_state_budget: float = 0.1
 
@@ -68,14 +68,13 @@ class CacheConfig:
         return self.sparse_v_ctx_threshold if self.sparse_v == "auto" else 0
 
     @classmethod
-    def from_engine_config(cls, config: EngineConfig, is_cuda: bool = False) -> "CacheConfig":
-        """The cache settings of ``config``; ``is_cuda``: the engine runs on CUDA (prefix caching's default)."""
-        enable = config.enable_prefix_caching if config.enable_prefix_caching is not None else not is_cuda
+    def from_engine_config(cls, config: EngineConfig) -> "CacheConfig":
+        """The cache settings of ``config``."""
         return cls(block_size=config.block_size, kv_cache_dtype=config.kv_cache_dtype,
                    num_gpu_blocks_override=config.num_gpu_blocks_override,
                    gpu_memory_utilization=config.gpu_memory_utilization,
                    cpu_kv_cache_space_gib=config.cpu_kv_cache_space_gib,
-                   enable_prefix_caching=enable,
+                   enable_prefix_caching=config.enable_prefix_caching,
                    prefix_state_interval=config.prefix_state_interval,
                    prefix_state_budget=config.prefix_state_budget, **_sparse_v_settings(config))
 
