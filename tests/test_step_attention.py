@@ -34,6 +34,7 @@ from helpers.kernels import (  # noqa: E402
     poisoned_empty,
     randn,
 )
+from truespec.forward_context import set_forward_context  # noqa: E402
 from truespec.kernels.paged_attention import (  # noqa: E402
     BLOCK_N,
     MAX_SPLITS,
@@ -49,6 +50,7 @@ from truespec.kernels.prefill_attention import prefill_attention  # noqa: E402
 from truespec.kernels.step_attention import step_attention  # noqa: E402
 from truespec.kv_cache.formats import FORMATS  # noqa: E402
 from truespec.ops.attention import SparseV, paged_attention_ref, paged_attention_skips_ref  # noqa: E402
+from truespec.worker.input_builder import ContextRow, build_step  # noqa: E402
 
 # (num_cached, query_len, prompt_len): a chunk starting mid-block (block size 4 / 8) over cached context, a 1-token
 # last prompt chunk, a decode at 98 keys (2 splits), a 1+3 verify, a re-prefill after preemption whose chunk holds
@@ -153,6 +155,43 @@ def test_no_prompt_rows_is_the_split_kernel_alone() -> None:
     args, _ = step_args(reqs, None, torch.float32, 4, 2, 16, 4, seed=13)
     assert torch.equal(step_attention(*args, None), paged_attention(*args))
     assert torch.equal(step_attention(*args, i64(num_prompt_rows(reqs))), paged_attention(*args))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_attention_layer_hands_the_steps_prompt_rows_to_the_dispatch(dtype: torch.dtype,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """The layer's kernel path (forced on CPU) passes ForwardContext.num_prompt_rows of a padded step (float64: None,
+    every row split-KV) and matches the torch path; the KV it stores is the torch path's."""
+    import truespec.kernels
+    import truespec.layers.attention as attention
+
+    gen = torch.Generator().manual_seed(17)
+    rows = [ContextRow([0, 1, 2], 5, 6, -1, -1, 5, 1, 6),  # a prompt chunk over 5 cached positions
+            ContextRow([3, 4], 6, 1, -1, -1, 0, 1, 0),  # a decode
+            ContextRow([5, 6, 7, 8], 9, 5, -1, -1, 0, 1, 2)]  # a re-prefill: prompt positions 9, 10, outputs 11..13
+    step = build_step(rows, [0] * 12, [0] * 12, 4, DEVICE, pad_to=16, width=4)
+    layer = attention.PagedAttention(4, 2, 16, 16**-0.5)
+    cache = randn(2, 9, 4, 2, 16, dtype=dtype, gen=gen)
+    q, k, v = (randn(16, heads, 16, dtype=dtype, gen=gen) for heads in (4, 2, 2))
+    seen = []
+
+    def spy(*args: object, **kwargs: object) -> torch.Tensor:
+        seen.append(args[6])
+        return step_attention(*args, **kwargs)
+
+    outs, caches = [], []
+    for kernels_on in (False, True):
+        layer.kv_cache = cache.clone()
+        monkeypatch.setattr(attention, "use_kernels", lambda t, on=kernels_on: on)
+        monkeypatch.setattr(truespec.kernels, "step_attention", spy)
+        with set_forward_context(step.ctx):
+            outs.append(layer(q, k, v))
+        caches.append(layer.kv_cache)
+    expected_rows = None if dtype == torch.float64 else [6, 0, 2] + [0] * 13
+    assert len(seen) == 1 and (seen[0] is None if expected_rows is None else seen[0].tolist() == expected_rows)
+    assert torch.equal(caches[0], caches[1])
+    assert_near(outs[1], outs[0], dtype)
+    assert torch.equal(outs[1][12:], torch.zeros_like(outs[1][12:]))
 
 
 @gpu

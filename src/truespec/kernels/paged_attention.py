@@ -20,6 +20,9 @@ prefill chunk or a big mixed batch, as long as a model's calls keep one (block_n
 num_warps) and dtype. A row with one split (``num_keys <= MIN_SPLIT_KEYS``; every row with ``max_splits=1``)
 runs the unsplit loop (tiles 0, BLOCK_N, ... up to its position) and writes ``acc / l`` itself; the merge
 skips it. Padding rows (token >= query_start_loc[num_reqs]) have 0 keys, one empty split, and write zeros.
+Given ``num_prompt_rows`` (kernels/step_attention.py) both kernels skip request r's first ``num_prompt_rows[r]``
+rows (its prompt rows, which the prefill kernel computes into the same output) and leave them untouched; the skip is
+a runtime argument, not specialised, so every other row runs the same binary and loop with or without it.
 
 Graph safety and bounded workspace: grids are (rows, kv heads, grid_splits) and (rows, heads), where
 ``grid_splits = min(MAX_SPLITS, cdiv(block_tables.shape[1] * block_size, round_up(MIN_SPLIT_KEYS, BLOCK_N)))``
@@ -50,8 +53,8 @@ never skips (the comparison is strict) and gives the bits of off. The torch refe
 ``ops.attention.tiled_attention``.
 
 Not done here (speed only, correctness does not need them):
-- packing several query tokens of one request into a program's rows (K/V reuse for long prefills; it would
-  also remove the partial traffic of long prefill rows).
+- packing several query tokens of one request into a program's rows: the prefill kernel does it for prompt rows
+  (kernels/step_attention.py); output positions re-prefilled after preemption still come here one row each.
 - no GPU timing of the sparse-V skip yet, and no "auto" mode (on from a context length): the caller decides.
 """
 
