@@ -185,6 +185,19 @@ def test_runner_without_cuda_runs_eagerly_and_says_why(tiny_models: dict[str, Pa
     assert runner.stats == {"eager": 1}
 
 
+def test_only_the_target_runner_routes_prompt_rows(tiny_models: dict[str, Path]) -> None:
+    """The target's forward carries its rows' prompt counts; a drafter's (prompt_rows=False), handed the same rows
+    by draft_on_device, runs every row split-KV (num_prompt_rows None)."""
+    model = load_model(tiny_models["qwen3"], "float64", CPU).model
+    allocate_caches(model, 4, 4, 1, CPU)
+    rows = [ContextRow([0], 0, 1, -1, -1, 0, 1, 1), ContextRow([1], 0, 2, -1, -1, 1, 1, 0)]
+    for prompt_rows, expected in ((True, [1, 0]), (False, None)):
+        runner = GraphRunner(model, "target", GraphSettings(block_size=4), CPU, prompt_rows=prompt_rows)
+        _, inputs = runner.run(rows, [5, 6, 7], [0, 0, 1], decode_only=False)
+        counts = inputs.ctx.num_prompt_rows
+        assert (counts if counts is None else counts.tolist()) == expected
+
+
 def test_compilation_config_validation() -> None:
     assert EngineConfig(model="m").cudagraph_mode == "FULL"
     assert EngineConfig(model="m", enforce_eager=True).cudagraph_mode == "NONE"

@@ -18,8 +18,8 @@ chunk, and the prompt part of a re-prefill) run their attention's prompt rows in
 (kernels/step_attention.py), which steps without them never launch. So the target (``prompt_rows=True``) in FULL
 mode captures two graphs per size, one with the prefill launch and one without, and a step replays the one its rows
 ask for (whether any row has prompt rows is a dispatch key, like the size; the counts themselves live in the static
-buffer). FULL_DECODE_ONLY captures only the graphs without, so a step with prompt rows runs eagerly; drafters' steps
-have no prompt rows (their rows all run split-KV).
+buffer). FULL_DECODE_ONLY captures only the graphs without, so a step with prompt rows runs eagerly. A drafter's
+rows all run split-KV, the target's rows it catches up on included (``prompt_rows=False``).
 The layers' backend says whether it can run inside a graph at all (layers/backend.py); if not, nothing is
 captured and the log says why. Larger steps run eagerly; ``stats`` counts both kinds.
 """
@@ -53,7 +53,7 @@ class GraphRunner:
                  hidden_size: int | None = None, hidden_dtype: torch.dtype | None = None, num_staging: int = 4,
                  prompt_rows: bool = False) -> None:
         self.model, self.name, self.block_size, self.device = model, name, settings.block_size, device
-        self.prompt_rows = prompt_rows  # its steps may hold prompt rows (the target's; never a drafter's)
+        self.prompt_rows = prompt_rows  # prompt rows go to the prefill kernel (the target's; a drafter's never do)
         self.hidden_size, self.hidden_dtype = hidden_size, hidden_dtype
         self.uses_hidden = bool(getattr(model, "uses_target_hidden", False))
         self.width = settings.max_blocks_per_req
@@ -151,11 +151,14 @@ class GraphRunner:
         stream order, over the host's ``input_ids``). ``shift``: [R] device tensor, request r's positions move
         that far (``shift_positions``)."""
         num_tokens = len(input_ids)
-        has_prompt_rows = any(row.num_prompt_rows for row in rows)
+        # a drafter reading the target's rows (draft_on_device) runs them all split-KV, prompt rows or not
+        has_prompt_rows = self.prompt_rows and any(row.num_prompt_rows for row in rows)
         size = self._graph_size(num_tokens, decode_only, has_prompt_rows)
         if size is None:
             self.stats["eager"] += 1
             inputs = build_step(rows, input_ids, positions, self.block_size, self.device)
+            if not has_prompt_rows:
+                inputs.ctx.num_prompt_rows = None
             self._device_inputs(inputs, num_tokens, len(rows), input_ids_from, shift)
             with set_forward_context(inputs.ctx):
                 return self._call(inputs, None, hidden), inputs
