@@ -22,7 +22,8 @@ runs the unsplit loop (tiles 0, BLOCK_N, ... up to its position) and writes ``ac
 skips it. Padding rows (token >= query_start_loc[num_reqs]) have 0 keys, one empty split, and write zeros.
 Given ``num_prompt_rows`` (kernels/step_attention.py) both kernels skip request r's first ``num_prompt_rows[r]``
 rows (its prompt rows, which the prefill kernel computes into the same output) and leave them untouched; the skip is
-a runtime argument, not specialised, so every other row runs the same binary and loop with or without it.
+a runtime argument, not specialised, so every other row runs the same binary and loop with or without it (the
+sm_90 PTX's floating-point instructions, MMAs included, are in the same order as before the skip existed).
 
 Graph safety and bounded workspace: grids are (rows, kv heads, grid_splits) and (rows, heads), where
 ``grid_splits = min(MAX_SPLITS, cdiv(block_tables.shape[1] * block_size, round_up(MIN_SPLIT_KEYS, BLOCK_N)))``
