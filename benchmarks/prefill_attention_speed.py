@@ -70,8 +70,7 @@ def tune(prompt: int, batch_size: int, kv_dtype: str) -> None:
     flops = batch_size * 2 * HEADS * D * prompt * prompt
     results = []
     for block_m, block_n, warps, stages in itertools.product((16, 32), (32, 64), (4, 8), (1, 2, 3)):
-        fn = functools.partial(prefill_attention, *args, fmt=fmt, block_m=block_m, block_n=block_n,
-                               num_warps=warps, num_stages=stages)  # fmt: skip
+        fn = functools.partial(prefill_attention, *args, fmt=fmt, config=(block_m, block_n, warps, stages))
         try:
             ms = do_bench(fn, return_mode="median")
         except Exception as e:  # out of shared memory / registers: not a candidate

@@ -38,7 +38,7 @@ def manager_with(tokenizer: AutoTokenizer, *request_ids: str) -> StructuredOutpu
 
 def scheduled(request_id: str, drafts: list[int], is_last_chunk: bool = True) -> ScheduledRequest:
     return ScheduledRequest(request_id, PARAMS, 4, 1 + len(drafts), [7] + drafts, drafts, None, [0], 0, 0, 0,
-                            is_last_chunk)
+                            is_last_chunk, 4)
 
 
 def allowed(mask: torch.Tensor, row: int) -> set[int]:

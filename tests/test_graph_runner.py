@@ -16,11 +16,13 @@ if not torch.cuda.is_available():  # the kernels run in Triton's interpreter (se
 
 from truespec import LLM, SamplingParams  # noqa: E402
 from truespec.config import CompilationConfig, EngineConfig  # noqa: E402
+from truespec.core.scheduler_output import ScheduledRequest  # noqa: E402
 from truespec.forward_context import set_forward_context  # noqa: E402
 from truespec.kv_cache.layout import allocate_caches  # noqa: E402
 from truespec.models.loader import load_model  # noqa: E402
 from truespec.worker.graph_runner import GraphRunner, GraphSettings  # noqa: E402
 from truespec.worker.input_builder import ContextRow, build_step, packed_size  # noqa: E402
+from truespec.worker.model_runner import ModelRunner  # noqa: E402
 
 CPU = torch.device("cpu")
 
@@ -60,13 +62,42 @@ def test_build_step_into_a_static_buffer_writes_the_used_table_cells() -> None:
     assert step.ctx.block_tables[0, 3].item() == 4  # left from the wider step: beyond every real seq_len
 
 
+def test_num_prompt_rows_of_each_kind_of_row_and_inert_padding() -> None:
+    """ScheduledRequest.num_prompt_rows = clamp(prompt_len - start, 0, query_len) reaches the packed step (fresh and
+    a graph's static buffer) for every kind of row; padding requests have 0; a step without prompt rows has None."""
+    params = SamplingParams(temperature=0)
+
+    def scheduled(start: int, n: int, prompt_len: int, drafts: list[int] | None = None) -> ScheduledRequest:
+        drafts = drafts or []
+        blocks = list(range(-(-(start + n + len(drafts)) // 8)))
+        return ScheduledRequest("r", params, start, n + len(drafts), [1] * n + drafts, drafts, None, blocks, 0, 0, 0,
+                                True, prompt_len)  # fmt: skip
+
+    step = [scheduled(6, 19, 40),  # a prefill chunk starting mid-block over cached context
+            scheduled(12, 1, 13),  # a 1-token last prompt chunk
+            scheduled(97, 1, 30),  # a plain decode
+            scheduled(80, 1, 50, [5, 6, 7]),  # a 1+3 verify
+            scheduled(66, 12, 70)]  # a re-prefill after preemption: prompt positions 66..69, outputs 70..77
+    assert [r.num_prompt_rows for r in step] == [19, 1, 0, 0, 4]
+    rows, ids, positions = ModelRunner.prepare(step)
+    assert [row.num_prompt_rows for row in rows] == [19, 1, 0, 0, 4]
+    expected = [19, 1, 0, 0, 4] + [0] * 35  # padded requests: no prompt rows
+    assert build_step(rows, ids, positions, 8, CPU).ctx.num_prompt_rows.tolist() == expected[:5]
+    assert build_step(rows, ids, positions, 8, CPU, pad_to=40, width=13).ctx.num_prompt_rows.tolist() == expected
+    out = torch.full((packed_size(40, 40, 13),), 77, dtype=torch.int64)  # a graph's static buffer, stale values
+    assert build_step(rows, ids, positions, 8, CPU, pad_to=40, width=13, out=out).ctx.num_prompt_rows.tolist() == \
+        expected
+    rows, ids, positions = ModelRunner.prepare(step[2:4])
+    assert build_step(rows, ids, positions, 8, CPU, pad_to=8, width=13).ctx.num_prompt_rows is None
+
+
 def test_build_step_unpadded_and_errors() -> None:
     rows = [ContextRow([3, 4, 5], 14, 3, 5, 6, 0, 1)]
     step = build_step(rows, [1, 2, 3], [14, 15, 16], 8, CPU)
     assert step.ctx.slot_mapping.tolist() == [38, 39, 40]
     assert step.ctx.logits_indices.tolist() == [2]
     assert step.ctx.block_tables.tolist() == [[3, 4, 5]]
-    assert packed_size(6, 6, 3) == 4 * 6 + 5 * 6 + 1 + 18
+    assert packed_size(6, 6, 3) == 4 * 6 + 6 * 6 + 1 + 18
     with pytest.raises(ValueError, match="does not fit pad_to"):
         build_step(rows, [1, 2, 3], [14, 15, 16], 8, CPU, pad_to=2)
     with pytest.raises(ValueError, match="more than the 1 a step allows"):
@@ -152,6 +183,19 @@ def test_runner_without_cuda_runs_eagerly_and_says_why(tiny_models: dict[str, Pa
     hidden, inputs = runner.run([ContextRow([0], 0, 2, -1, -1, 1, 1)], [5, 6], [0, 1], decode_only=False)
     assert hidden.shape[0] == 2 and inputs.ctx.logits_indices.tolist() == [1]
     assert runner.stats == {"eager": 1}
+
+
+def test_only_the_target_runner_routes_prompt_rows(tiny_models: dict[str, Path]) -> None:
+    """The target's forward carries its rows' prompt counts; a drafter's (prompt_rows=False), handed the same rows
+    by draft_on_device, runs every row split-KV (num_prompt_rows None)."""
+    model = load_model(tiny_models["qwen3"], "float64", CPU).model
+    allocate_caches(model, 4, 4, 1, CPU)
+    rows = [ContextRow([0], 0, 1, -1, -1, 0, 1, 1), ContextRow([1], 0, 2, -1, -1, 1, 1, 0)]
+    for prompt_rows, expected in ((True, [1, 0]), (False, None)):
+        runner = GraphRunner(model, "target", GraphSettings(block_size=4), CPU, prompt_rows=prompt_rows)
+        _, inputs = runner.run(rows, [5, 6, 7], [0, 0, 1], decode_only=False)
+        counts = inputs.ctx.num_prompt_rows
+        assert (counts if counts is None else counts.tolist()) == expected
 
 
 def test_compilation_config_validation() -> None:

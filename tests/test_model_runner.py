@@ -20,12 +20,13 @@ GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 def request(request_id: str, tokens: list[int], start: int, n: int, group: int, state_index: int = 0,
             drafts: list[int] | None = None, num_output_tokens: int = 0) -> ScheduledRequest:
     """Request ``request_id`` computing ``tokens[start:start + n]`` (then ``drafts``) with blocks 8*group.. and
-    state group ``group`` (3 slots each)."""
+    state group ``group`` (3 slots each); ``tokens`` is its prompt and its ``num_output_tokens`` outputs."""
     drafts = drafts or []
     end = start + n + len(drafts)
     blocks = list(range(8 * group, 8 * group + -(-end // BLOCK_SIZE)))
     return ScheduledRequest(request_id, GREEDY, start, n + len(drafts), tokens[start:start + n] + drafts, drafts, None,
-                            blocks, 3 * group, state_index, num_output_tokens, start + n == len(tokens))
+                            blocks, 3 * group, state_index, num_output_tokens, start + n == len(tokens),
+                            len(tokens) - num_output_tokens)
 
 
 def test_a_hand_built_scheduler_output_runs_without_the_engine(tiny_models: dict[str, Path]) -> None:

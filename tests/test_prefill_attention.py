@@ -35,7 +35,7 @@ PACKED = ["fp8", "turboquant_k8v4", "turboquant_4bit_nc", "turboquant_3bit_nc"]
 def test_prefill_matches_reference_on_ragged_chunks(dtype: torch.dtype, num_heads: int, num_kv_heads: int,
                                                     head_dim: int) -> None:  # fmt: skip
     args = attention_batch(REQS, num_heads, num_kv_heads, head_dim, dtype, seed=3)
-    out = prefill_attention(*args, block_m=16, block_n=16)
+    out = prefill_attention(*args, config=(16, 16, 4, 3))
     assert out.dtype == dtype
     assert_near(out, paged_attention_ref(*args), dtype)
     assert_padding_zero(out)
@@ -46,12 +46,12 @@ def test_prefill_matches_reference_on_ragged_chunks(dtype: torch.dtype, num_head
 def test_prefill_over_packed_cache_matches_reference(name: str, dtype: torch.dtype) -> None:
     fmt = FORMATS[name]
     args = packed_batch(fmt, [(0, 21), (9, 12), (30, 1)], 4, 2, 16, 8, dtype, seed=4)
-    out = prefill_attention(*args, fmt=fmt, block_m=8, block_n=16)
+    out = prefill_attention(*args, fmt=fmt, config=(8, 16, 4, 1))
     assert_near(out, packed_reference(args, fmt, 16)[0], dtype)
     assert_padding_zero(out)
 
 
-def chunked_rows(args: tuple, length: int, cuts: list[int], other: int, **kwargs: int) -> list[torch.Tensor]:
+def chunked_rows(args: tuple, length: int, cuts: list[int], other: int, **kwargs: object) -> list[torch.Tensor]:
     """Rows 0..length-1 of request 0 of ``args`` (a fresh prompt of ``length`` tokens, request 1 another of
     ``other``): as one chunk alone, as chunks cut at ``cuts`` each alone, and as those chunks each behind the last
     5 rows of request 1 in one batch."""
@@ -71,7 +71,7 @@ def chunked_rows(args: tuple, length: int, cuts: list[int], other: int, **kwargs
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_prompt_position_is_bitwise_same_however_chunked(dtype: torch.dtype) -> None:
     args = attention_batch([(0, 45), (0, 30)], 4, 2, 16, dtype, seed=5)
-    whole, *others = chunked_rows(args, 45, [7, 23], 30, block_m=16, block_n=16)
+    whole, *others = chunked_rows(args, 45, [7, 23], 30, config=(16, 16, 4, 3))
     for out in others:
         assert torch.equal(whole, out)
 
@@ -79,9 +79,9 @@ def test_prompt_position_is_bitwise_same_however_chunked(dtype: torch.dtype) -> 
 def test_prefill_rejects_bad_block_sizes() -> None:
     args = attention_batch([(0, 4)], 2, 2, 16, torch.float32, seed=6)
     with pytest.raises(ValueError, match="powers of two"):
-        prefill_attention(*args, block_m=12)
+        prefill_attention(*args, config=(12, 64, 4, 3))
     with pytest.raises(ValueError, match=">= 16 rows"):
-        prefill_attention(*args, block_m=4)
+        prefill_attention(*args, config=(4, 64, 4, 3))
 
 
 @gpu

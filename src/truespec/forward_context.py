@@ -39,6 +39,10 @@ class ForwardContext:
     # (state_src, state_dst, state_write_start) of the real requests on the host, where the builder has them
     # (eager paths that pick a kernel per request, e.g. GDN chunked prefill); None: not known on the host.
     state_cpu: tuple[list[int], list[int], list[int]] | None = None
+    # [num_reqs] int64: request r's leading query rows at prompt positions (position < its prompt length), which the
+    # CUDA attention computes with the prefill kernel (kernels/step_attention.py); padding requests 0. None: no row of
+    # the step is a prompt row (decodes, verifies, drafters' steps), so no prefill kernel runs.
+    num_prompt_rows: torch.Tensor | None = None
     # What the CPU path's layers derive from the metadata once per forward and share (ops/gdn_batched.StepRows);
     # emptied whenever the context is set, since a reused context's tensors may have moved in place.
     host_cache: dict[str, Any] = field(default_factory=dict)

@@ -87,7 +87,7 @@ class Scheduler:
             ids, block_ids = [PLACEHOLDER] * (1 + num_drafts), kv.allocate(seq.request_id, hold)
             out.scheduled.append(ScheduledRequest(
                 seq.request_id, seq.params, start, 1 + num_drafts, ids, ids[1:], None, block_ids,
-                kv.first_state_slot(seq.request_id), 0, len(seq.output_token_ids) + 1, True))
+                kv.first_state_slot(seq.request_id), 0, len(seq.output_token_ids) + 1, True, seq.prompt_len))
         out.finished_req_ids, self._finished_ids = self._finished_ids, []
         out.state_saves = self.prefix.take_saves()
         return out
@@ -134,7 +134,7 @@ class Scheduler:
         return ScheduledRequest(  # positional, in field order: this runs for every request of every step
             request_id, seq.params, start, n + len(drafts), token_ids, drafts, seq.draft_probs if drafts else None,
             block_ids, self.kv.first_state_slot(request_id), seq.state_index, len(seq.output_token_ids),
-            start + n == seq.num_tokens, seq.prompt_logprobs_due(start, start + n))
+            start + n == seq.num_tokens, seq.prompt_len, seq.prompt_logprobs_due(start, start + n))
 
     def _make_room(self, seq: Sequence, num_tokens: int, out: SchedulerOutput) -> bool:
         while not self.kv.can_allocate(seq.request_id, num_tokens):

@@ -27,6 +27,7 @@ class ScheduledRequest:
     state_index: int  # slot of the group with the state after the last computed token
     num_output_tokens: int  # output tokens before this step (min_tokens counts from here)
     is_last_chunk: bool  # the step computes up to the request's last token, so it samples a new one
+    prompt_len: int  # the request's prompt tokens: query positions before it are prompt rows (num_prompt_rows)
     # SamplingParams.prompt_logprobs: the prompt tokens whose logprobs this step gives, each from the query row
     # before it (``prompt_logprobs_rows``); [] when not asked, or all given already
     prompt_logprob_token_ids: list[int] = field(default_factory=list)
@@ -40,6 +41,13 @@ class ScheduledRequest:
     def state_src(self) -> int:
         """The flat slot the step starts from; -1 (zeros) before the request's first token."""
         return self.first_state_slot + self.state_index if self.num_computed_tokens else -1
+
+    @property
+    def num_prompt_rows(self) -> int:
+        """Leading query rows at prompt positions (< prompt_len): a prefill chunk's, or the prompt part of a
+        re-prefill after preemption; 0 for decodes and verifies. On CUDA their attention runs in the prefill kernel
+        (kernels/step_attention.py)."""
+        return min(max(self.prompt_len - self.num_computed_tokens, 0), self.num_scheduled_tokens)
 
     @property
     def num_logits(self) -> int:

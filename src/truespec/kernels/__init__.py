@@ -21,6 +21,7 @@ from truespec.kernels.rms_norm import rms_norm
 from truespec.kernels.row_invariant_matmul import row_invariant_matmul
 from truespec.kernels.skinny_matmul import skinny_matmul
 from truespec.kernels.spec_step import greedy_accepted, move_positions
+from truespec.kernels.step_attention import step_attention
 from truespec.ops.activation import act_mul_ref
 from truespec.ops.attention import paged_attention_ref, reshape_and_cache_ref, store_packed_ref
 from truespec.ops.conv import causal_conv1d_ref
@@ -43,6 +44,7 @@ __all__ = [
     "reshape_and_cache_ref",
     "store_packed",
     "store_packed_ref",
+    "step_attention",
     "rms_norm",
     "rms_norm_ref",
     "act_mul",

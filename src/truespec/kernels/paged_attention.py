@@ -20,6 +20,10 @@ prefill chunk or a big mixed batch, as long as a model's calls keep one (block_n
 num_warps) and dtype. A row with one split (``num_keys <= MIN_SPLIT_KEYS``; every row with ``max_splits=1``)
 runs the unsplit loop (tiles 0, BLOCK_N, ... up to its position) and writes ``acc / l`` itself; the merge
 skips it. Padding rows (token >= query_start_loc[num_reqs]) have 0 keys, one empty split, and write zeros.
+Given ``num_prompt_rows`` (kernels/step_attention.py) both kernels skip request r's first ``num_prompt_rows[r]``
+rows (its prompt rows, which the prefill kernel computes into the same output) and leave them untouched; the skip is
+a runtime argument, not specialised, so every other row runs the same binary and loop with or without it (the
+sm_90 PTX's floating-point instructions, MMAs included, are in the same order as before the skip existed).
 
 Graph safety and bounded workspace: grids are (rows, kv heads, grid_splits) and (rows, heads), where
 ``grid_splits = min(MAX_SPLITS, cdiv(block_tables.shape[1] * block_size, round_up(MIN_SPLIT_KEYS, BLOCK_N)))``
@@ -50,8 +54,8 @@ never skips (the comparison is strict) and gives the bits of off. The torch refe
 ``ops.attention.tiled_attention``.
 
 Not done here (speed only, correctness does not need them):
-- packing several query tokens of one request into a program's rows (K/V reuse for long prefills; it would
-  also remove the partial traffic of long prefill rows).
+- packing several query tokens of one request into a program's rows: the prefill kernel does it for prompt rows
+  (kernels/step_attention.py); output positions re-prefilled after preemption still come here one row each.
 - no GPU timing of the sparse-V skip yet, and no "auto" mode (on from a context length): the caller decides.
 """
 
@@ -100,8 +104,17 @@ def _row_layout(query_start_loc_ptr, seq_lens_ptr, num_reqs, token, BLOCK_N: tl.
     return r, num_keys, split_size, num_splits
 
 
+@triton.jit
+def _is_prompt_row(query_start_loc_ptr, num_prompt_rows_ptr, skip_prompt_rows, r, token):
+    """Whether packed row ``token`` of request ``r`` is one of the request's leading ``num_prompt_rows[r]`` rows,
+    which the prefill kernel computes (only with ``skip_prompt_rows``; padding rows never are)."""
+    offset = token - tl.load(query_start_loc_ptr + r)
+    return (skip_prompt_rows != 0) & (offset < tl.load(num_prompt_rows_ptr + r))
+
+
 # One binary for every batch, chunk and (eager) block-table width: integer arguments that vary are not specialised.
-@triton.jit(do_not_specialize=["num_reqs", "row_offset", "ws_splits", "stride_bt_req", "sparse_v_min_keys"])
+@triton.jit(do_not_specialize=["num_reqs", "row_offset", "ws_splits", "stride_bt_req", "sparse_v_min_keys",
+                               "skip_prompt_rows"])
 def _paged_attention_kernel(
     out_ptr,  # [T, num_heads, head_dim]
     ws_m_ptr,  # [chunk, num_heads, ws_splits] running max per split
@@ -113,9 +126,11 @@ def _paged_attention_kernel(
     query_start_loc_ptr,  # [R + 1]
     seq_lens_ptr,  # [R]
     block_tables_ptr,  # [R, max_blocks]
+    num_prompt_rows_ptr,  # [R] leading rows of each request left to the prefill kernel (read with skip_prompt_rows)
     num_reqs,
     row_offset,  # first token of this chunk
     ws_splits,  # split slots per (row, head) in the workspace (the grid's third dim)
+    skip_prompt_rows,  # 0 / 1, not specialised: one binary computes a row's bits either way
     scale: tl.float64,
     sparse_v_threshold: tl.float64,  # read with SPARSE_V only
     sparse_v_min_keys,  # SPARSE_V: only rows with at least this many keys skip (the "auto" mode's context gate)
@@ -154,7 +169,8 @@ def _paged_attention_kernel(
     r, num_keys, split_size, num_splits = _row_layout(
         query_start_loc_ptr, seq_lens_ptr, num_reqs, token, BLOCK_N, MAX_SPLITS, MIN_SPLIT_KEYS
     )
-    if split >= num_splits:  # past the row's splits: nothing to do
+    is_prompt_row = _is_prompt_row(query_start_loc_ptr, num_prompt_rows_ptr, skip_prompt_rows, r, token)
+    if (split >= num_splits) | is_prompt_row:  # past the row's splits, or the prefill kernel's row: nothing to do
         return
     key_start = split * split_size
     key_end = tl.minimum(key_start + split_size, num_keys)
@@ -207,7 +223,7 @@ def _paged_attention_kernel(
         tl.store(ws_acc_ptr + ws_row[:, None] * HEAD_DIM + d[None, :], acc, mask=q_mask)
 
 
-@triton.jit(do_not_specialize=["num_reqs", "row_offset", "ws_splits"])
+@triton.jit(do_not_specialize=["num_reqs", "row_offset", "ws_splits", "skip_prompt_rows"])
 def _combine_splits_kernel(
     out_ptr,  # [T, num_heads, head_dim]
     ws_m_ptr,  # [chunk, num_heads, ws_splits]
@@ -215,9 +231,11 @@ def _combine_splits_kernel(
     ws_acc_ptr,  # [chunk, num_heads, ws_splits, HEAD_DIM]
     query_start_loc_ptr,  # [R + 1]
     seq_lens_ptr,  # [R]
+    num_prompt_rows_ptr,  # [R]
     num_reqs,
     row_offset,
     ws_splits,
+    skip_prompt_rows,
     stride_o_tok,
     stride_o_head,
     HEAD_DIM: tl.constexpr,
@@ -228,14 +246,14 @@ def _combine_splits_kernel(
     MIN_SPLIT_KEYS: tl.constexpr,
 ):
     """One program per (row, query head): merges the row's splits 0..num_splits-1; rows of one split
-    (already written by the first kernel) store nothing."""
+    (already written by the first kernel) and the prefill kernel's rows store nothing."""
     row = tl.program_id(0)
     head = tl.program_id(1)
     token = row_offset + row
-    _, _, _, num_splits = _row_layout(
+    r, _, _, num_splits = _row_layout(
         query_start_loc_ptr, seq_lens_ptr, num_reqs, token, BLOCK_N, MAX_SPLITS, MIN_SPLIT_KEYS
     )
-    if num_splits == 1:  # written by the first kernel
+    if (num_splits == 1) | _is_prompt_row(query_start_loc_ptr, num_prompt_rows_ptr, skip_prompt_rows, r, token):
         return
 
     s = tl.arange(0, SPLITS_PAD)
@@ -323,10 +341,13 @@ def split_attention(
     max_workspace_bytes: int,
     sparse_v_threshold: float | None,
     sparse_v_min_keys: int = 0,
+    num_prompt_rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Both kernels over any cache (``paged_attention`` and ``paged_attention_packed`` check their cache and build
     ``tiles``): q [T, num_heads, head_dim] as the kernel reads it, ``out`` in the model dtype (the accumulator
-    dtype follows it). Returns ``out``."""
+    dtype follows it). ``num_prompt_rows`` [R] (device): request r's first ``num_prompt_rows[r]`` rows are skipped,
+    left as they are in ``out`` for the prefill kernel (kernels/step_attention.py); None computes every row.
+    Returns ``out``."""
     num_tokens, num_heads, head_dim = q.shape
     if block_n < 16 or block_n & (block_n - 1) or max_splits < 1 or min_split_keys < 1:
         raise ValueError(f"block_n {block_n} must be a power of two >= 16; max_splits, min_split_keys >= 1")
@@ -356,12 +377,14 @@ def split_attention(
     ws_acc = torch.empty(ws_rows, num_heads, grid_splits, head_dim, dtype=acc_dtype, device=q.device)
     num_reqs = seq_lens.shape[0]
     threshold = 0.0 if sparse_v_threshold is None else sparse_v_threshold
+    skip = int(num_prompt_rows is not None)
+    prompt_rows = query_start_loc if num_prompt_rows is None else num_prompt_rows  # unread without skip
     for row_offset in range(0, num_tokens, chunk):  # by the static T only: graph-safe
         rows = min(chunk, num_tokens - row_offset)
         _paged_attention_kernel[(rows, tiles.num_kv_heads, grid_splits)](
             out, ws_m, ws_l, ws_acc, q, tiles.cache, tiles.centroids, query_start_loc, seq_lens, block_tables,
-            num_reqs, row_offset, grid_splits, scale, threshold, sparse_v_min_keys, q.stride(0), q.stride(1),
-            out.stride(0), out.stride(1), tiles.value_offset, *tiles.strides, block_tables.stride(0),
+            prompt_rows, num_reqs, row_offset, grid_splits, skip, scale, threshold, sparse_v_min_keys, q.stride(0),
+            q.stride(1), out.stride(0), out.stride(1), tiles.value_offset, *tiles.strides, block_tables.stride(0),
             GROUP=group, GROUP_PAD=pad_pow2(group), BLOCK_SIZE=tiles.block_size, ACC_DTYPE=tl_compute_dtype(out.dtype),
             DOT_DTYPE=dot_dtype(out.dtype), UPCAST=needs_dot_upcast(out.dtype), SPARSE_V=sparse_v_threshold is not None,
             num_warps=num_warps,
@@ -369,8 +392,8 @@ def split_attention(
         )  # fmt: skip
         if grid_splits > 1:
             _combine_splits_kernel[(rows, num_heads)](
-                out, ws_m, ws_l, ws_acc, query_start_loc, seq_lens, num_reqs, row_offset, grid_splits,
-                out.stride(0), out.stride(1), SPLITS_PAD=triton.next_power_of_2(max_splits), num_warps=4,
+                out, ws_m, ws_l, ws_acc, query_start_loc, seq_lens, prompt_rows, num_reqs, row_offset, grid_splits,
+                skip, out.stride(0), out.stride(1), SPLITS_PAD=triton.next_power_of_2(max_splits), num_warps=4,
                 **constants,
             )  # fmt: skip
     return out

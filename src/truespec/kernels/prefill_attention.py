@@ -16,12 +16,25 @@ prompt position gives the same bits however the prompt is cut into chunks and wh
 It need not match the split-KV kernel's bits: decode and verify rows never come here (docs/ARCHITECTURE.md,
 invariant 4 is about them).
 
-Programs: ``cdiv(T, BLOCK_M) + num_reqs`` (each request adds at most one partial tile) x kv heads; program t finds
-its request by binary search over the per-request tile offsets (computed on the device, no host read), programs
-past the last tile exit. Padding rows (past ``query_start_loc[-1]``) are never written. Eager only: the grid follows
-T, so it is for steps that run outside CUDA graphs (prefill steps).
+Which rows: request r's first ``num_rows[r]`` query rows (``prefill_attention``'s ``num_rows``; all its rows when
+None). In the engine those are its prompt rows, positions < its prompt length, and the split-KV kernel computes the
+others into the same output (kernels/step_attention.py, docs/ARCHITECTURE.md "Attention rows").
 
-The block sizes are untuned (no GPU measurement yet): BLOCK_M 16, BLOCK_N 64, 4 warps.
+Programs: ``cdiv(T, BLOCK_M) + min(R, T)`` (each request with rows adds at most one partial tile) x kv heads, from
+the shapes of q and seq_lens only; program t finds its request by binary search over the per-request tile offsets
+(cumulative ``cdiv(num_rows[r], BLOCK_M)``, computed on the device, no host read), programs past the last tile exit.
+Padding rows (past ``query_start_loc[-1]``) are never written. So it runs eagerly and inside CUDA graphs alike: a
+graph captured at T = S tokens and R = S requests serves every step padded to S (worker/graph_runner.py captures it
+only into the graphs of steps with prompt rows).
+
+There is no sparse-V tile skip here (it is the split-KV kernel's option): a prompt row reads every value tile,
+with or without ``sparse_v``.
+
+Block sizes (``launch_config``), swept on an H100 at 8K tokens (benchmarks/prefill_attention_speed.py --tune,
+BENCHMARKS.md "Session 11"): 16-bit models over a model-dtype cache BLOCK_M 32, BLOCK_N 64, 8 warps, 3 stages
+(258 TFLOP/s vs 146 with the first guess, 16 / 64 / 4 / 3); over a packed cache the same tiles with 1 stage (the
+decoded tiles live in registers; more stages ran out of shared memory). fp32 / fp64 keep small untuned tiles. A
+model's calls always use one configuration, so a prompt position's bits stay independent of the chunking.
 """
 
 import torch
@@ -38,7 +51,14 @@ from truespec.kernels.triton_utils import (
     tl_compute_dtype,
 )
 
-BLOCK_M, BLOCK_N, NUM_WARPS, NUM_STAGES = 16, 64, 4, 3  # 3 stages: triton's default on CUDA
+# (BLOCK_M, BLOCK_N, warps, stages) by (16-bit model, packed cache); see the module docstring
+_CONFIGS = {(True, False): (32, 64, 8, 3), (True, True): (32, 64, 8, 1),
+            (False, False): (16, 64, 4, 3), (False, True): (16, 32, 4, 1)}  # fmt: skip
+
+
+def launch_config(dtype: torch.dtype, tiles: CacheTiles) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, warps, stages) for a model of ``dtype`` over ``tiles``' cache."""
+    return _CONFIGS[dtype in (torch.bfloat16, torch.float16), tiles.cache.dtype == torch.uint8]
 
 
 @triton.jit(do_not_specialize=["num_reqs", "stride_bt_req"])
@@ -50,7 +70,8 @@ def _prefill_attention_kernel(
     query_start_loc_ptr,  # [R + 1]
     seq_lens_ptr,  # [R]
     block_tables_ptr,  # [R, max_blocks]
-    tile_offsets_ptr,  # [R + 1] first BLOCK_M tile of each request (cumulative cdiv(query_len, BLOCK_M))
+    num_rows_ptr,  # [R] the request's leading query rows computed here (its prompt rows; <= query_len)
+    tile_offsets_ptr,  # [R + 1] first BLOCK_M tile of each request (cumulative cdiv(num_rows, BLOCK_M))
     num_reqs,
     scale: tl.float64,
     stride_q_tok,
@@ -85,8 +106,8 @@ def _prefill_attention_kernel(
         return
     r = find_request(tile_offsets_ptr, num_reqs, tile)
     q_start = tl.load(query_start_loc_ptr + r)
-    q_end = tl.load(query_start_loc_ptr + r + 1)
-    num_cached = tl.load(seq_lens_ptr + r) - (q_end - q_start)  # keys before the chunk
+    num_cached = tl.load(seq_lens_ptr + r) - (tl.load(query_start_loc_ptr + r + 1) - q_start)  # keys before the chunk
+    q_end = q_start + tl.load(num_rows_ptr + r)  # past the request's last row computed here
     first = q_start + (tile - tl.load(tile_offsets_ptr + r)) * BLOCK_M  # the program's first token
 
     i = tl.arange(0, BLOCK_M * GROUP_PAD)
@@ -134,23 +155,36 @@ def prefill_attention(
     scale: float,
     out: torch.Tensor | None = None,
     fmt: KVFormat | None = None,
-    block_m: int = BLOCK_M,
-    block_n: int = BLOCK_N,
-    num_warps: int = NUM_WARPS,
-    num_stages: int = NUM_STAGES,
+    num_rows: torch.Tensor | None = None,
+    config: tuple[int, int, int, int] | None = None,
 ) -> torch.Tensor:
     """Causal attention of q [T, num_heads, head_dim] over the paged ``kv_cache``, as ``paged_attention`` (or
     ``paged_attention_packed`` with ``fmt``, a packed kv_cache_dtype) computes it: query token i of request r
-    sits at position ``seq_lens[r] - query_len + i``. Rows past ``query_start_loc[-1]`` are left as they are in
-    ``out`` (zeros if allocated here). No host read. Returns ``out``."""
-    head_dim = q.shape[-1]
+    sits at position ``seq_lens[r] - query_len + i``. ``num_rows`` [R] (device): only request r's first
+    ``num_rows[r]`` query rows are computed (its prompt rows, kernels/step_attention.py); None: every row. Rows not
+    computed, and rows past ``query_start_loc[-1]``, are left as they are in ``out`` (zeros if allocated here). No
+    host read. Returns ``out``."""
     if fmt is None:
         q_in, tiles = q, model_cache_tiles(q, kv_cache)
     else:
-        q_in, tiles = packed_cache_tiles(q, kv_cache, fmt, head_dim)
+        q_in, tiles = packed_cache_tiles(q, kv_cache, fmt, q.shape[-1])
+    out = torch.zeros_like(q) if out is None else out
+    if num_rows is None:
+        num_rows = query_start_loc[1:] - query_start_loc[:-1]
+    return prefill_rows(q_in, tiles, query_start_loc, seq_lens, block_tables, num_rows, scale, out, config)
+
+
+def prefill_rows(q: torch.Tensor, tiles: CacheTiles, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                 block_tables: torch.Tensor, num_rows: torch.Tensor, scale: float, out: torch.Tensor,
+                 config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+    """The kernel over any cache (``prefill_attention`` and kernels/step_attention.py build ``tiles``): q as the
+    kernel reads it (rotated for Lloyd-Max keys), ``out`` [T, num_heads, head_dim] in the model dtype; request r's
+    first ``num_rows[r]`` rows are written, nothing else. The grid comes from shapes only (T, R): capturable in a
+    CUDA graph, where programs past the step's tiles exit at once. ``config``: (BLOCK_M, BLOCK_N, warps, stages);
+    None: ``launch_config``'s for this dtype and cache. Returns ``out``."""
+    block_m, block_n, num_warps, num_stages = config or launch_config(out.dtype, tiles)
     if block_m < 1 or block_m & (block_m - 1) or block_n < 16 or block_n & (block_n - 1):
         raise ValueError(f"block_m {block_m} and block_n {block_n} must be powers of two, block_n >= 16")
-    out = torch.zeros_like(q) if out is None else out
     num_tokens, num_heads, _ = q.shape
     num_reqs = seq_lens.shape[0]
     if num_tokens == 0 or num_reqs == 0:
@@ -158,27 +192,22 @@ def prefill_attention(
     group = num_heads // tiles.num_kv_heads
     if block_m * pad_pow2(group, 1) < 16:
         raise ValueError(f"block_m {block_m} x GQA group {group} must give >= 16 rows (tl.dot)")
-    tile_offsets = _tile_offsets(query_start_loc, block_m)
-    grid = (triton.cdiv(num_tokens, block_m) + num_reqs, tiles.num_kv_heads)
-    _launch(grid, out, q_in, tiles, query_start_loc, seq_lens, block_tables, tile_offsets, scale, group, block_m,
-            block_n, num_warps, num_stages)  # fmt: skip
+    tiles_per_req = torch.div(num_rows + block_m - 1, block_m, rounding_mode="floor")
+    tile_offsets = torch.cat([torch.zeros_like(tiles_per_req[:1]), torch.cumsum(tiles_per_req, 0)])
+    # sum_r cdiv(num_rows[r], M) <= cdiv(T, M) + (requests with rows, at most min(R, T)): from shapes alone
+    grid = (triton.cdiv(num_tokens, block_m) + min(num_reqs, num_tokens), tiles.num_kv_heads)
+    _launch(grid, out, q, tiles, query_start_loc, seq_lens, block_tables, num_rows, tile_offsets, scale, group,
+            block_m, block_n, num_warps, num_stages)  # fmt: skip
     return out
-
-
-def _tile_offsets(query_start_loc: torch.Tensor, block_m: int) -> torch.Tensor:
-    """[R + 1]: request r's query tiles are tile_offsets[r] .. tile_offsets[r + 1] - 1 (on the device)."""
-    query_lens = query_start_loc[1:] - query_start_loc[:-1]
-    tiles = torch.div(query_lens + block_m - 1, block_m, rounding_mode="floor")
-    return torch.cat([torch.zeros_like(tiles[:1]), torch.cumsum(tiles, 0)])
 
 
 def _launch(grid: tuple[int, int], out: torch.Tensor, q: torch.Tensor, tiles: CacheTiles,
             query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
-            tile_offsets: torch.Tensor, scale: float, group: int, block_m: int, block_n: int,
+            num_rows: torch.Tensor, tile_offsets: torch.Tensor, scale: float, group: int, block_m: int, block_n: int,
             num_warps: int, num_stages: int) -> None:  # fmt: skip
     head_dim = q.shape[-1]
     _prefill_attention_kernel[grid](
-        out, q, tiles.cache, tiles.centroids, query_start_loc, seq_lens, block_tables, tile_offsets,
+        out, q, tiles.cache, tiles.centroids, query_start_loc, seq_lens, block_tables, num_rows, tile_offsets,
         seq_lens.shape[0], scale, q.stride(0), q.stride(1), out.stride(0), out.stride(1), tiles.value_offset,
         *tiles.strides, block_tables.stride(0),
         HEAD_DIM=head_dim, HEAD_DIM_PAD=pad_pow2(head_dim), GROUP=group, GROUP_PAD=pad_pow2(group, 1),

@@ -1,10 +1,11 @@
-"""Causal attention over a paged KV cache: two Triton kernels on CUDA, ``ops/attention.py`` elsewhere.
+"""Causal attention over a paged KV cache: Triton kernels on CUDA, ``ops/attention.py`` elsewhere.
 
 The runner binds ``PagedAttention.kv_cache`` (shape from ``kv_cache_shape``) before the first step.
 Each step first writes this step's K/V at ``slot_mapping`` (-1 = skip), then every query token at
 absolute position ``p = seq_len - query_len + i`` of request ``r`` attends keys ``0..p`` of that
 request, gathered through ``block_tables[r]``. Drafted tokens' KV is written before it is read,
-exactly as in a plain decode (invariant 4).
+exactly as in a plain decode (invariant 4). On CUDA a row at a prompt position (``ForwardContext.num_prompt_rows``)
+goes to the prefill kernel, every other row to the split-KV kernel (kernels/step_attention.py).
 """
 
 import functools
@@ -59,19 +60,23 @@ class PagedAttention(nn.Module):
         meta = (ctx.query_start_loc, ctx.seq_lens, ctx.block_tables)
         skip = {} if self.sparse_v is None else dict(sparse_v_threshold=self.sparse_v.threshold,
                                                      sparse_v_min_keys=self.sparse_v.min_keys)
-        fast = use_kernels(q) and q.dtype != torch.float64  # fp64 packed reads do not compile (kernel docstring)
-        if self.kv_format is not None and fast:
-            kernels().store_packed(k, v, self.kv_cache, ctx.slot_mapping, self.kv_format)
-            return kernels().paged_attention_packed(q, self.kv_cache, *meta, self.scale, self.kv_format,
-                                                    self.head_dim, **skip)
+        if use_kernels(q) and (q.dtype != torch.float64 or self.kv_format is None):  # fp64 packed: see below
+            if self.kv_format is None:
+                kernels().reshape_and_cache(k, v, self.kv_cache, ctx.slot_mapping)
+            else:
+                kernels().store_packed(k, v, self.kv_cache, ctx.slot_mapping, self.kv_format)
+            # prompt rows by the prefill kernel, decode / verify rows split-KV (kernels/step_attention.py); fp64
+            # keeps the split kernel for every row, as before (the prefill kernel is built for 16-bit / fp32 on CUDA)
+            prompt_rows = ctx.num_prompt_rows if q.dtype != torch.float64 else None
+            return kernels().step_attention(q, self.kv_cache, *meta, self.scale, prompt_rows, fmt=self.kv_format,
+                                            **skip)
+        # the torch path (CPU, TRUESPEC_BACKEND=torch, fp64 over a packed cache, whose reads do not compile on CUDA:
+        # kernels/paged_attention_packed.py) computes every row the same way, prompt rows included
         if self.kv_format is not None:
             num_tokens = ctx.slot_mapping.shape[0]
             store_packed_ref(self.kv_format.encode(k[:num_tokens], v[:num_tokens]), self.kv_cache, ctx.slot_mapping)
             decode = functools.partial(self.kv_format.decode, head_dim=self.head_dim, dtype=q.dtype)
             return self._attend_torch(q, meta, decode)
-        if use_kernels(q):  # one Triton kernel for decode, verify and prefill rows (invariant 4)
-            kernels().reshape_and_cache(k, v, self.kv_cache, ctx.slot_mapping)
-            return kernels().paged_attention(q, self.kv_cache, *meta, self.scale, **skip)
         reshape_and_cache_ref(k, v, self.kv_cache, ctx.slot_mapping)
         return self._attend_torch(q, meta, None)
 

@@ -13,6 +13,13 @@ Which steps replay a graph (``cudagraph_mode``):
 - FULL_DECODE_ONLY: steps without prefill chunks (decodes, verifies of 1 + k tokens, drafter steps), up to
   the largest capture size.
 - FULL: every step up to the largest capture size, prefill chunks included.
+Steps with prompt rows (query positions before a request's prompt length: prefill chunks, also a 1-token last
+chunk, and the prompt part of a re-prefill) run their attention's prompt rows in the prefill kernel
+(kernels/step_attention.py), which steps without them never launch. So the target (``prompt_rows=True``) in FULL
+mode captures two graphs per size, one with the prefill launch and one without, and a step replays the one its rows
+ask for (whether any row has prompt rows is a dispatch key, like the size; the counts themselves live in the static
+buffer). FULL_DECODE_ONLY captures only the graphs without, so a step with prompt rows runs eagerly. A drafter's
+rows all run split-KV, the target's rows it catches up on included (``prompt_rows=False``).
 The layers' backend says whether it can run inside a graph at all (layers/backend.py); if not, nothing is
 captured and the log says why. Larger steps run eagerly; ``stats`` counts both kinds.
 """
@@ -43,8 +50,10 @@ class GraphSettings:
 
 class GraphRunner:
     def __init__(self, model: torch.nn.Module, name: str, settings: GraphSettings, device: torch.device,
-                 hidden_size: int | None = None, hidden_dtype: torch.dtype | None = None, num_staging: int = 4) -> None:
+                 hidden_size: int | None = None, hidden_dtype: torch.dtype | None = None, num_staging: int = 4,
+                 prompt_rows: bool = False) -> None:
         self.model, self.name, self.block_size, self.device = model, name, settings.block_size, device
+        self.prompt_rows = prompt_rows  # prompt rows go to the prefill kernel (the target's; a drafter's never do)
         self.hidden_size, self.hidden_dtype = hidden_size, hidden_dtype
         self.uses_hidden = bool(getattr(model, "uses_target_hidden", False))
         self.width = settings.max_blocks_per_req
@@ -58,7 +67,9 @@ class GraphRunner:
         if reason is not None:
             logger.info("%s: cudagraph_mode=%s but every step runs eagerly: %s", name, mode, reason)
             self.sizes = []
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # keyed by (capture size, has prompt rows): FULL mode's steps with prompt rows need the prefill launch
+        self.variants = (False, True) if prompt_rows and mode == "FULL" else (False,)
+        self.graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.stats: Counter[str] = Counter()  # "graph" / "eager" forwards
         if not self.sizes:
             return
@@ -72,7 +83,7 @@ class GraphRunner:
         self._turn = 0
         self._views = {size: split_packed(self._meta, size, size, self.width) for size in self.sizes}
         self._hidden = torch.zeros(top, hidden_size, dtype=hidden_dtype, device=device) if self.uses_hidden else None
-        eager = "steps with prefill chunks, and " if mode == "FULL_DECODE_ONLY" else ""
+        eager = "steps with prefill chunks or prompt rows, and " if mode == "FULL_DECODE_ONLY" else ""
         logger.info("%s: cudagraph_mode=%s, capture sizes %s; %ssteps over %d tokens run eagerly",
                     name, mode, self.sizes, eager, top)
 
@@ -83,7 +94,8 @@ class GraphRunner:
     # ---- capture -------------------------------------------------------------------------------
     @torch.inference_mode()
     def capture(self) -> None:
-        """Capture one graph per size, largest first, all in one memory pool (replays never overlap)."""
+        """Capture one graph per size and variant (with and without the prefill launch), largest first, all in one
+        memory pool (replays never overlap)."""
         if not self.sizes:
             return
         with torch.cuda.device(self.device):
@@ -92,15 +104,18 @@ class GraphRunner:
     def _capture(self) -> None:
         pool = None
         for size in reversed(self.sizes):
-            inputs = self._static_inputs([], [], [], size)
-            with set_forward_context(inputs.ctx):
-                self._call(inputs, size)  # compile / autotune the kernels outside the capture
-                torch.cuda.synchronize(self.device)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    out = self._call(inputs, size)
-            pool = graph.pool()
-            self.graphs[size] = (graph, out)
+            for has_prompt_rows in self.variants:
+                inputs = self._static_inputs([], [], [], size)
+                if has_prompt_rows:  # the static counts (all 0 now) are the step's when it replays
+                    inputs.ctx.num_prompt_rows = self._views[size][9]
+                with set_forward_context(inputs.ctx):
+                    self._call(inputs, size)  # compile / autotune the kernels outside the capture
+                    torch.cuda.synchronize(self.device)
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=pool):
+                        out = self._call(inputs, size)
+                pool = graph.pool()
+                self.graphs[size, has_prompt_rows] = (graph, out)
         torch.cuda.synchronize(self.device)
 
     # ---- warm-up -------------------------------------------------------------------------------
@@ -117,7 +132,8 @@ class GraphRunner:
         sizes = sorted({n for n in (1, 16, 17, 65, 513, max_num_tokens - 1, max_num_tokens) if 0 < n <= max_num_tokens})
         with torch.cuda.device(self.device):
             for n in sizes:
-                row = ContextRow(list(range(-(-n // self.block_size))), 0, n, -1, -1, n - 1, 1)
+                row = ContextRow(list(range(-(-n // self.block_size))), 0, n, -1, -1, n - 1, 1,
+                                 n if self.prompt_rows else 0)  # a prompt: the target's prefill kernel compiles
                 inputs = build_step([row], [0] * n, list(range(n)), self.block_size, self.device)
                 hidden = (torch.zeros(n, self.hidden_size, dtype=self.hidden_dtype, device=self.device)
                           if self.uses_hidden else None)
@@ -135,10 +151,14 @@ class GraphRunner:
         stream order, over the host's ``input_ids``). ``shift``: [R] device tensor, request r's positions move
         that far (``shift_positions``)."""
         num_tokens = len(input_ids)
-        size = self._graph_size(num_tokens, decode_only)
+        # a drafter reading the target's rows (draft_on_device) runs them all split-KV, prompt rows or not
+        has_prompt_rows = self.prompt_rows and any(row.num_prompt_rows for row in rows)
+        size = self._graph_size(num_tokens, decode_only, has_prompt_rows)
         if size is None:
             self.stats["eager"] += 1
             inputs = build_step(rows, input_ids, positions, self.block_size, self.device)
+            if not has_prompt_rows:
+                inputs.ctx.num_prompt_rows = None
             self._device_inputs(inputs, num_tokens, len(rows), input_ids_from, shift)
             with set_forward_context(inputs.ctx):
                 return self._call(inputs, None, hidden), inputs
@@ -151,7 +171,7 @@ class GraphRunner:
             self._device_inputs(inputs, num_tokens, len(rows), input_ids_from, shift)
             if hidden is not None:
                 self._hidden[:len(input_ids)].copy_(hidden)
-            graph, out = self.graphs[size]
+            graph, out = self.graphs[size, has_prompt_rows]
             graph.replay()
             return out[:num_tokens].clone(), inputs
 
@@ -162,8 +182,10 @@ class GraphRunner:
         if shift is not None:
             shift_positions(inputs, shift, num_tokens, num_reqs, self.block_size)
 
-    def _graph_size(self, num_tokens: int, decode_only: bool) -> int | None:
+    def _graph_size(self, num_tokens: int, decode_only: bool, has_prompt_rows: bool) -> int | None:
         if not self.graphs or (self.mode == "FULL_DECODE_ONLY" and not decode_only):
+            return None
+        if has_prompt_rows not in self.variants:  # FULL_DECODE_ONLY: a 1-token last prompt chunk runs eagerly
             return None
         return next((s for s in self.sizes if s >= num_tokens), None)
 

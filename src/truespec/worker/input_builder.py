@@ -3,7 +3,7 @@
 All int64 step data (token ids, positions and every metadata tensor) is packed into one host buffer and reaches
 the device in one copy. With ``pad_to`` (a CUDA graph's capture size) the layout is fixed for that size and the
 rows past the real ones are inert: token id 0 at position 0, KV slot -1 (never written), zero-length requests
-with state slots -1 (no state read or written), block tables -1.
+with state slots -1 (no state read or written) and no prompt rows, block tables -1.
 """
 
 from dataclasses import dataclass
@@ -26,6 +26,9 @@ class ContextRow:
     state_dst: int  # flat slot that receives the state after query token ``write_start``
     write_start: int  # query offset of the first token whose state is kept
     num_logits: int  # logits for the last ``num_logits`` query tokens
+    # leading query tokens at prompt positions: clamp(prompt_len - start, 0, query_len) (ScheduledRequest); 0 for a
+    # drafter's rows, which all run split-KV attention
+    num_prompt_rows: int = 0
 
 
 @dataclass
@@ -37,10 +40,10 @@ class StepInputs:
 
 def _layout(num_tokens: int, num_reqs: int, width: int) -> list[int]:
     """Lengths of a packed step's segments, in order: input ids, positions, slot mapping, logits indices
-    (num_tokens each), query_start_loc (num_reqs + 1), seq_lens, state_src, state_dst, state_write_start
-    (num_reqs each), block tables (num_reqs x width)."""
+    (num_tokens each), query_start_loc (num_reqs + 1), seq_lens, state_src, state_dst, state_write_start,
+    num_prompt_rows (num_reqs each), block tables (num_reqs x width)."""
     t, r = num_tokens, num_reqs
-    return [t, t, t, t, r + 1, r, r, r, r, r * width]
+    return [t, t, t, t, r + 1, r, r, r, r, r, r * width]
 
 
 def packed_size(num_tokens: int, num_reqs: int, width: int) -> int:
@@ -53,7 +56,7 @@ def split_packed(buf: torch.Tensor, num_tokens: int, num_reqs: int, width: int) 
     static buffer is split once per capture size and the views reused by every step (``build_step(views=)``)."""
     cuts = _layout(num_tokens, num_reqs, width)
     views = list(torch.split(buf[:sum(cuts)], cuts))
-    views[9] = views[9].view(num_reqs, width)
+    views[10] = views[10].view(num_reqs, width)
     return views
 
 
@@ -81,14 +84,15 @@ def build_step(rows: list[ContextRow], input_ids: list[int], positions: list[int
         logits_indices += range(query_start_loc[-1] - row.num_logits, query_start_loc[-1])
     t, r = size_t, size_r
     cuts = _layout(t, r, width)
-    meta_len = sum(cuts[:9])
+    meta_len = sum(cuts[:10])
     used = max((len(row.block_ids) for row in rows), default=0)  # block-table columns real rows use
     if used > width:
         raise ValueError(f"a request holds {used} KV blocks, more than the {width} a step allows")
     full = out is None  # a fresh buffer gets the whole table; a graph's static one only the cells in use
     segments = (input_ids, positions, slot_mapping, logits_indices, query_start_loc, seq_lens,
-                [row.state_src for row in rows], [row.state_dst for row in rows], [row.write_start for row in rows])
-    pads = (0, 0, -1, 0, num_tokens, 0, -1, -1, 0)  # inert padding, see the module docstring
+                [row.state_src for row in rows], [row.state_dst for row in rows], [row.write_start for row in rows],
+                [row.num_prompt_rows for row in rows])
+    pads = (0, 0, -1, 0, num_tokens, 0, -1, -1, 0, 0)  # inert padding, see the module docstring
     values: list[int] = []  # the packed step, built as one list and converted once (the host's hot path)
     for seg, pad, length in zip(segments, pads, cuts, strict=False):
         values += seg
@@ -109,12 +113,14 @@ def build_step(rows: list[ContextRow], input_ids: list[int], positions: list[int
         views = split_packed(out, t, r, width) if views is None else views
         out[:meta_len].copy_(host[:meta_len], non_blocking=staging is not None)
         if num_reqs and used:
-            views[9][:num_reqs, :used].copy_(host[meta_len:].view(num_reqs, used), non_blocking=staging is not None)
-    (ids, pos, slots, logits_idx, qsl, lens, src, dst, wstart, bt) = split_packed(buf, t, r, width) if full else views
+            views[10][:num_reqs, :used].copy_(host[meta_len:].view(num_reqs, used), non_blocking=staging is not None)
+    (ids, pos, slots, logits_idx, qsl, lens, src, dst, wstart, prompt_rows, bt) = (
+        split_packed(buf, t, r, width) if full else views)
     ctx = ForwardContext(
         query_start_loc=qsl, seq_lens=lens, slot_mapping=slots, block_tables=bt,
         state_src=src, state_dst=dst, state_write_start=wstart, logits_indices=logits_idx[:len(logits_indices)],
-        query_start_loc_cpu=query_start_loc, seq_lens_cpu=seq_lens, state_cpu=tuple(segments[6:9]))
+        query_start_loc_cpu=query_start_loc, seq_lens_cpu=seq_lens, state_cpu=tuple(segments[6:9]),
+        num_prompt_rows=prompt_rows if any(row.num_prompt_rows for row in rows) else None)
     return StepInputs(ids, pos, ctx)
 
 

@@ -58,7 +58,7 @@ class ModelRunner:
         self.seed = seed
         self.eos_token_ids = eos_token_ids  # banned before a request's min_tokens (unless ignore_eos)
         self._generators: dict[str, torch.Generator] = {}
-        self.graphs = GraphRunner(model, "target", GraphSettings(), device)  # eager until init_graphs
+        self.graphs = GraphRunner(model, "target", GraphSettings(), device, prompt_rows=True)  # eager until init_graphs
 
     # ---- caches and graphs -----------------------------------------------------------------
     @property
@@ -74,7 +74,7 @@ class ModelRunner:
 
     def init_graphs(self, settings: GraphSettings) -> None:
         """After ``allocate_caches``: set up the forward (eager or CUDA graphs) and capture the graphs."""
-        self.graphs = GraphRunner(self.model, "target", settings, self.device)
+        self.graphs = GraphRunner(self.model, "target", settings, self.device, prompt_rows=True)
         self.graphs.capture()
 
     # ---- one step --------------------------------------------------------------------------
@@ -210,7 +210,7 @@ class ModelRunner:
             input_ids += r.token_ids
             positions += range(start, start + query_len)
             rows.append(ContextRow(r.block_ids, start, query_len, r.state_src, r.first_state_slot,
-                                   r.num_new_tokens - 1, r.num_logits))
+                                   r.num_new_tokens - 1, r.num_logits, r.num_prompt_rows))
         return rows, input_ids, positions
 
     def _generator(self, request_id: str, params: SamplingParams) -> torch.Generator:
