@@ -10,7 +10,8 @@
 #                                               # also, not in the default: kv (compressed-cache decode speed),
 #                                               # governor (speculation vs none, governor auto / off), serve (load),
 #                                               # prefill (one attention layer's prefill: split-KV vs tiled vs SDPA),
-#                                               # prefix (multi-turn prefix caching on the 0.8B shape, issue 16)
+#                                               # prefix (multi-turn prefix caching on the 0.8B shape, issue 16),
+#                                               # splits (split-KV cap 16 / 32 / 64 / 128 at 8K-32K keys, issue 14)
 #
 # fla-core (optional; transformers' best GDN path and truespec's chunked prefill) is installed from .whl/ if there.
 set -u
@@ -65,6 +66,13 @@ if has kv; then
     timeout 400 python3 benchmarks/kv_decode_speed.py --model $shape --json "$OUT/kv_decode_speed.json" \
         > "$OUT/kv_decode_speed.txt" 2>&1
     tail -9 "$OUT/kv_decode_speed.txt"
+fi
+if has splits; then  # the attention kernel per split cap, bf16 vs the packed caches (engine steps at the default)
+    [ -d $shape ] || timeout 60 python3 benchmarks/qwen35_shape.py --out $shape --device cuda
+    timeout 500 python3 benchmarks/kv_decode_speed.py --model $shape --kv-cache-dtypes auto fp8 turboquant_k8v4 \
+        turboquant_4bit_nc turboquant_3bit_nc --max-splits 16 32 64 128 --json "$OUT/kv_splits.json" \
+        > "$OUT/kv_splits.txt" 2>&1
+    grep -A 24 "by split cap" "$OUT/kv_splits.txt"
 fi
 if has governor; then
     timeout 500 python3 benchmarks/spec_vs_none.py --methods none "ngram k=8" "mtp k=3 ahead" --governors auto off \
