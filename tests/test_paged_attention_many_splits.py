@@ -145,7 +145,8 @@ def test_packed_row_with_many_splits_is_bitwise_same_alone_in_verify_and_in_mixe
 
 
 # ------------------------------------------------------------------------- GPU: Qwen3.5-0.8B sizes, 32K keys
-GPU_REQS = [(32767, 1), (32760, 4), (9000, 1), (700, 2), (0, 1)]  # 32K decode and 1+3 verify, 9K, short rows
+GPU_CONTEXT = 32768
+GPU_REQS = [(GPU_CONTEXT - 1, 1), (GPU_CONTEXT - 8, 4), (9000, 1), (700, 2), (0, 1)]  # decode, 1+3 verify, 9K, short
 
 
 def gpu_layout(cap: int) -> dict[str, int]:
@@ -161,7 +162,7 @@ GPU_CASES = [(None, cap) for cap in CAPS] + [(name, cap) for cap in (64, 128) fo
 @needs_cuda
 @pytest.mark.parametrize(("name", "cap"), GPU_CASES)
 def test_gpu_32k_rows_match_reference(name: str | None, cap: int) -> None:
-    """bf16, 8 q / 2 kv heads of 256, block size 16: the cap's splits against the reference."""
+    """bf16, 8 q / 2 kv heads of 256: rows of GPU_CONTEXT keys, the cap's splits, against the reference."""
     if name is None:
         args = attention_batch(GPU_REQS, 8, 2, 256, torch.bfloat16, seed=33)
         attend, expected = paged_attention, paged_attention_ref(*args)
@@ -170,7 +171,7 @@ def test_gpu_32k_rows_match_reference(name: str | None, cap: int) -> None:
         args = packed_batch(fmt, GPU_REQS, 8, 2, 256, 16, torch.bfloat16, seed=33)
         attend = functools.partial(paged_attention_packed, fmt=fmt, head_dim=256)
         expected = packed_reference(args, fmt, 256)[0]
-    assert split_layout(32768, BLOCK_N, cap, MIN_SPLIT_KEYS)[1] == cap
+    assert split_layout(GPU_CONTEXT, **gpu_layout(cap))[1] == cap
     out = attend(*args, **gpu_layout(cap))
     # A 32K-key row averages 32K random values: its outputs (~0.01) sit far below bf16's absolute tolerance, so
     # both sides are scaled to a largest |value| of 1 first (a split dropped or weighted wrongly moves them by ~1).
@@ -194,7 +195,7 @@ def test_gpu_32k_row_is_bitwise_same_alone_in_verify_and_in_mixed_batch(name: st
         fmt = FORMATS[name]
         attend = functools.partial(paged_attention_packed, fmt=fmt, head_dim=256, **gpu_layout(cap))
         make_cache = packed_cache(fmt, 16)
-    alone, *batched = rows_alone_and_in_batches(attend, make_cache, 8, 2, 256, 16, 32768, 3, dtype,
+    alone, *batched = rows_alone_and_in_batches(attend, make_cache, 8, 2, 256, 16, GPU_CONTEXT, 3, dtype,
                                                 workspace_row_bytes(8, 256, cap, dtype))  # fmt: skip
     for out in batched:
         assert torch.equal(alone, out)
