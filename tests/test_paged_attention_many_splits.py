@@ -87,15 +87,17 @@ def test_split_layout_gives_the_shortest_tile_chain_under_the_cap_and_keeps_shor
     assert split_layout(8215, BLOCK_N, 128, MIN_SPLIT_KEYS) == (96, 86)  # 257 tiles: 3 a split, 86 splits
 
 
-@pytest.mark.parametrize(("cap", "tile"), [(16, SMALL_MERGE), (32, SMALL_MERGE), (64, None), (128, None)])
-def test_many_splits_match_reference_on_ragged_batch(cap: int, tile: tuple[int, int] | None,
+# (cap, merge tile, kv heads): 2 kv heads (of 2 query heads each) where rows are short, 1 where the tiles cost
+@pytest.mark.parametrize(("cap", "tile", "num_kv_heads"), [(16, SMALL_MERGE, 2), (32, SMALL_MERGE, 2), (64, None, 1),
+                                                           (128, None, 1)])  # fmt: skip
+def test_many_splits_match_reference_on_ragged_batch(cap: int, tile: tuple[int, int] | None, num_kv_heads: int,
                                                      merge_tile: SetTile) -> None:  # fmt: skip
     if tile is not None:
         merge_tile(tile)
     reqs = cap_reqs(cap)
-    args = attention_batch(reqs, 4, 2, 16, torch.float32, seed=31)
+    args = attention_batch(reqs, 2 * num_kv_heads, num_kv_heads, 16, torch.float32, seed=31)
     assert max_row_splits(reqs, cap) == cap
-    row_bytes = workspace_row_bytes(4, 16, cap, torch.float32)
+    row_bytes = workspace_row_bytes(2 * num_kv_heads, 16, cap, torch.float32)
     with poisoned_empty():  # NaN workspace and output: every row written, no slot read before it is written
         out = paged_attention(*args, **layout(cap), max_workspace_bytes=3 * row_bytes)  # chunks of 3 rows
     assert_near(out, paged_attention_ref(*args), torch.float32)
