@@ -10,7 +10,12 @@
 #                                               # also, not in the default: kv (compressed-cache decode speed),
 #                                               # governor (speculation vs none, governor auto / off), serve (load),
 #                                               # prefill (one attention layer's prefill: split-KV vs tiled vs SDPA),
-#                                               # prefix (multi-turn prefix caching on the 0.8B shape, issue 16)
+#                                               # ttft (the engine's TTFT at 512 / 8K / 32K, BS 1 / 8; decode gaps
+#                                               # while a 32K prompt arrives),
+#                                               # prefix (multi-turn prefix caching on the 0.8B shape, issue 16),
+#                                               # splits (split-KV cap 16 / 32 / 64 / 128 at 8K-32K keys, issue 14),
+#                                               # splits_tests (its GPU tests at 32K keys: a compile per cap and
+#                                               # format, so kept out of part tests' time limit)
 #
 # fla-core (optional; transformers' best GDN path and truespec's chunked prefill) is installed from .whl/ if there.
 set -u
@@ -28,7 +33,8 @@ shape=/tmp/qwen35-0.8b-shape
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/device.txt"
 
 if has tests; then
-    timeout 420 python3 -m pytest -q -m gpu -p no:cacheprovider tests/ 2>&1 | tail -30 > "$OUT/gpu_tests.log"
+    timeout 420 python3 -m pytest -q -m gpu -p no:cacheprovider tests/ --ignore=tests/test_paged_attention_many_splits.py \
+        2>&1 | tail -30 > "$OUT/gpu_tests.log"
     tail -3 "$OUT/gpu_tests.log"
 fi
 if has tune; then
@@ -66,6 +72,18 @@ if has kv; then
         > "$OUT/kv_decode_speed.txt" 2>&1
     tail -9 "$OUT/kv_decode_speed.txt"
 fi
+if has splits_tests; then
+    timeout 500 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_paged_attention_many_splits.py 2>&1 \
+        | tail -30 > "$OUT/gpu_tests_splits.log"
+    tail -3 "$OUT/gpu_tests_splits.log"
+fi
+if has splits; then  # the attention kernel per split cap, bf16 vs the packed caches (engine steps at the default)
+    [ -d $shape ] || timeout 60 python3 benchmarks/qwen35_shape.py --out $shape --device cuda
+    timeout 500 python3 benchmarks/kv_decode_speed.py --model $shape --kv-cache-dtypes auto fp8 turboquant_k8v4 \
+        turboquant_4bit_nc turboquant_3bit_nc --max-splits 16 32 64 128 --json "$OUT/kv_splits.json" \
+        > "$OUT/kv_splits.txt" 2>&1
+    grep -A 24 "by split cap" "$OUT/kv_splits.txt"
+fi
 if has governor; then
     timeout 500 python3 benchmarks/spec_vs_none.py --methods none "ngram k=8" "mtp k=3 ahead" --governors auto off \
         --json "$OUT/spec_vs_none_governor.json" > "$OUT/spec_vs_none_governor.txt" 2>&1
@@ -75,6 +93,12 @@ if has serve; then
     timeout 150 python3 benchmarks/serve_load.py --clients 32 --duration 60 --max-tokens 64 \
         --json "$OUT/serve_load.json" -- --dtype bfloat16 --max-num-seqs 32 > "$OUT/serve_load.txt" 2>&1
     tail -12 "$OUT/serve_load.txt"
+fi
+if has ttft; then  # issue 17: TTFT of long prompts through the engine, and decode gaps while a 32K prompt arrives
+    [ -d $shape ] || timeout 60 python3 benchmarks/qwen35_shape.py --out $shape --device cuda
+    timeout 300 python3 benchmarks/prefill_ttft.py --model $shape --stall 32768 --json "$OUT/prefill_ttft.json" \
+        > "$OUT/prefill_ttft.txt" 2>&1
+    tail -12 "$OUT/prefill_ttft.txt"
 fi
 if has prefill; then
     timeout 200 python3 benchmarks/prefill_attention_speed.py --json "$OUT/prefill_attention_speed.json" \

@@ -3,22 +3,26 @@ the model-dtype kernel (bf16 cache) against every packed ``kv_cache_dtype``, eac
 threshold 0 and at 1e-3, and optionally against an earlier ``paged_attention.py`` (``--old``: its output must be
 bitwise the current one's with the skip off).
 
-Times are ``triton.testing.do_bench_cudagraph`` (replays of a captured graph, as in the engine), us per call.
+Times are ``triton.testing.do_bench_cudagraph`` (replays of a captured graph, as in the engine), us per call, at
+each split cap of ``--max-splits`` (default: the engine's); GB/s counts the K/V bytes a call must read, with the skip
+off (one cache read again on every replay: up to ~40 MB of K/V it stays in L2, so GB/s may pass DRAM's).
 Random queries and keys give flat attention, where the sparse-V rule skips nothing: those columns measure the
 switch's cost; ``--peak`` aligns queries with the early keys (tests/helpers/attention_rows.py ``peak_attention``)
 so that tiles are skipped.
 
-    python3 benchmarks/packed_attention_speed.py [--keys 512 2048 8192] [--query-len 1 4] [--old path.py] [--peak 64]
+    python3 benchmarks/packed_attention_speed.py [--keys 512 2048 8192] [--query-len 1 4] [--max-splits 16 64 128]
+        [--old path.py] [--peak 64]
 """
 
 import argparse
 import importlib.util
+import itertools
 from collections.abc import Callable
 
 import torch
 import triton
 
-from truespec.kernels.paged_attention import paged_attention
+from truespec.kernels.paged_attention import MAX_SPLITS, paged_attention
 from truespec.kernels.paged_attention_packed import paged_attention_packed
 from truespec.kv_cache.formats import FORMATS
 
@@ -42,26 +46,33 @@ def batch(num_keys: int, query_len: int, peak: float, gen: torch.Generator) -> t
     return (q, k, v, *meta)
 
 
-def kernels(num_keys: int, query_len: int, peak: float, old: object | None, gen: torch.Generator
-            ) -> dict[str, Callable[[float | None], torch.Tensor]]:  # fmt: skip
-    """Each cache's attention call of one batch, by name, as a function of the sparse-V threshold."""
+def kernels(num_keys: int, query_len: int, peak: float, old: object | None, gen: torch.Generator, cap: int
+            ) -> tuple[dict[str, Callable[[float | None], torch.Tensor]], dict[str, int]]:  # fmt: skip
+    """Each cache's attention call of one batch at split cap ``cap``, by name, as a function of the sparse-V
+    threshold, and the bytes of K/V each must read."""
     q, k, v, qsl, seq_lens, tables = (x.to("cuda") for x in batch(num_keys, query_len, peak, gen))
     q, meta, scale = q.to(torch.bfloat16), (qsl, seq_lens, tables), D**-0.5
     model_cache = torch.stack([k, v]).view(2, -1, BLOCK, HKV, D).to(torch.bfloat16)
-    runs = {"bf16 (model dtype)": lambda t: paged_attention(q, model_cache, *meta, scale, sparse_v_threshold=t)}
+    runs = {"bf16 (model dtype)": lambda t: paged_attention(q, model_cache, *meta, scale, sparse_v_threshold=t,
+                                                            max_splits=cap)}  # fmt: skip
+    nbytes = {"bf16 (model dtype)": num_keys * HKV * 2 * D * 2}
     if old is not None:
-        runs["bf16 (--old)"] = lambda t: old.paged_attention(q, model_cache, *meta, scale)
+        runs["bf16 (--old)"] = lambda t: old.paged_attention(q, model_cache, *meta, scale, max_splits=cap)
+        nbytes["bf16 (--old)"] = nbytes["bf16 (model dtype)"]
     for name in PACKED:
         fmt = FORMATS[name]
         cache = fmt.encode(k, v).view(-1, BLOCK, HKV, fmt.bytes_per_token(D))
-        runs[name] = lambda t, c=cache, f=fmt: paged_attention_packed(q, c, *meta, scale, f, D, sparse_v_threshold=t)
-    return runs
+        runs[name] = lambda t, c=cache, f=fmt: paged_attention_packed(q, c, *meta, scale, f, D, sparse_v_threshold=t,
+                                                                      max_splits=cap)  # fmt: skip
+        nbytes[name] = num_keys * HKV * fmt.bytes_per_token(D)
+    return runs, nbytes
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--keys", type=int, nargs="+", default=[512, 2048, 8192])
     parser.add_argument("--query-len", type=int, nargs="+", default=[1, 4])
+    parser.add_argument("--max-splits", type=int, nargs="+", default=[MAX_SPLITS], help="split caps to time")
     parser.add_argument("--old", help="an earlier kernels/paged_attention.py to compare with (bitwise and speed)")
     parser.add_argument("--peak", type=float, default=0.0)
     args = parser.parse_args()
@@ -72,22 +83,24 @@ def main() -> None:
         spec.loader.exec_module(old)
     gen = torch.Generator().manual_seed(0)
     print(f"{torch.cuda.get_device_name()}  bf16 q, {HQ} q / {HKV} kv heads of {D}, us per call (graph replay)")
-    print(f"{'cache':22s} {'keys':>5s} {'q':>2s} {'off':>8s} {'thr 0':>8s} {'thr 1e-3':>8s}  {'skip changes out':>16s}")
-    for num_keys in args.keys:
-        for query_len in args.query_len:
-            runs = kernels(num_keys, query_len, args.peak, old, gen)
-            reference = runs["bf16 (model dtype)"](None)
-            for name, run in runs.items():
-                times, outs = [], []
-                for threshold in (None, 0.0, 1e-3):
-                    outs.append(run(threshold))
-                    times.append(triton.testing.do_bench_cudagraph(lambda r=run, t=threshold: r(t)) * 1e3)
-                if name == "bf16 (--old)":
-                    assert torch.equal(outs[0], reference), "the old kernel's output differs"
-                assert torch.equal(outs[0], outs[1]), f"{name}: threshold 0 differs from off"
-                changed = (outs[2].float() - outs[0].float()).abs().max().item()
-                print(f"{name:22s} {num_keys:5d} {query_len:2d} {times[0]:8.1f} {times[1]:8.1f} {times[2]:8.1f}"
-                      f"  {changed:16.2e}")  # fmt: skip
+    print(f"{'cache':22s} {'keys':>5s} {'q':>2s} {'cap':>3s} {'off':>8s} {'thr 0':>8s} {'thr 1e-3':>8s} "
+          f"{'GB/s off':>8s} {'x bf16':>6s}  {'skip changes out':>16s}")  # fmt: skip
+    for num_keys, query_len, cap in itertools.product(args.keys, args.query_len, args.max_splits):
+        runs, nbytes = kernels(num_keys, query_len, args.peak, old, gen, cap)
+        reference = runs["bf16 (model dtype)"](None)
+        bf16_us = None
+        for name, run in runs.items():
+            times, outs = [], []
+            for threshold in (None, 0.0, 1e-3):
+                outs.append(run(threshold))
+                times.append(triton.testing.do_bench_cudagraph(lambda r=run, t=threshold: r(t)) * 1e3)
+            if name == "bf16 (--old)":
+                assert torch.equal(outs[0], reference), "the old kernel's output differs"
+            assert torch.equal(outs[0], outs[1]), f"{name}: threshold 0 differs from off"
+            changed = (outs[2].float() - outs[0].float()).abs().max().item()
+            bf16_us = bf16_us or times[0]
+            print(f"{name:22s} {num_keys:5d} {query_len:2d} {cap:3d} {times[0]:8.1f} {times[1]:8.1f} {times[2]:8.1f} "
+                  f"{nbytes[name] / times[0] / 1e3:8.0f} {bf16_us / times[0]:6.2f}  {changed:16.2e}")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -5,8 +5,8 @@ that is not a ``tl.constexpr`` (the packed attention kernel once read MAX_SPLITS
 op with no lowering for a dtype. ``triton.compile`` with an explicit target runs the whole pipeline, ptxas included,
 on the CPU. The kernels must be defined compiled, so this runs in a subprocess without ``TRITON_INTERPRET``.
 Each cache dtype's attention loop (sparse-V on; off too for the model dtype; a bf16 model's tensor-core tiles, and
-an fp32 model's for two formats) and store kernel, the split merge kernel, and the prefill kernel (model dtype,
-4bit_nc), at head_dim 256.
+an fp32 model's for two formats) and store kernel, the split merge kernel and the model-dtype loop at split caps 16
+and 128, and the prefill kernel (model dtype, 4bit_nc), at head_dim 256.
 """
 
 import os
@@ -52,10 +52,6 @@ model = dict(KEY_ENC=0, KEY_BITS=0, KEY_CODE_BYTES=0, VALUE_ENC=0, VALUE_BITS=0,
 for sparse_v in (False, True):
     compile_kernel(attention._paged_attention_kernel, dict(layout, **model, SPARSE_V=sparse_v),
                    attention_types("*bf16", "*bf16"))
-compile_kernel(attention._combine_splits_kernel, dict(HEAD_DIM=D, HEAD_DIM_PAD=D, BLOCK_N=32, MAX_SPLITS=16,
-                                                      SPLITS_PAD=16, MIN_SPLIT_KEYS=64),
-               dict(out_ptr="*bf16", ws_m_ptr="*fp32", ws_l_ptr="*fp32", ws_acc_ptr="*fp32",
-                    query_start_loc_ptr="*i64", seq_lens_ptr="*i64", num_prompt_rows_ptr="*i64"))
 for name in ["fp8", "turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc"]:
     fmt = FORMATS[name]
     key_bits = fmt.key_bits or 8
@@ -74,10 +70,19 @@ for name in ["fp8", "turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc
                         COMPUTE_DTYPE=tl.float32, TINY=1.1754943508222875e-38, IS_FP64=False),
                    dict(k_ptr="*bf16", v_ptr="*bf16", kv_cache_ptr="*u8", slot_mapping_ptr="*i64",
                         hadamard_ptr="*fp32", boundaries_ptr="*fp32"))
+merge = importlib.import_module("truespec.kernels.split_merge")
+for cap in (16, 128):  # the merge kernel at the smallest and largest split caps the engine may use
+    grid, tile = merge.merge_grid_and_tile(1, 8, D, cap, attention.MERGE_SPLITS, attention.MERGE_DIM)
+    compile_kernel(merge.combine_splits_kernel, dict(HEAD_DIM=D, BLOCK_N=32, MAX_SPLITS=cap, MIN_SPLIT_KEYS=64,
+                                                     **tile),
+                   dict(out_ptr="*bf16", ws_m_ptr="*fp32", ws_l_ptr="*fp32", ws_acc_ptr="*fp32",
+                        query_start_loc_ptr="*i64", seq_lens_ptr="*i64", num_prompt_rows_ptr="*i64"))
+compile_kernel(attention._paged_attention_kernel, dict(layout, **model, SPARSE_V=False, MAX_SPLITS=128),
+               attention_types("*bf16", "*bf16"))
 prefill_types = dict(out_ptr="*bf16", q_ptr="*bf16", kv_cache_ptr="*bf16", centroids_ptr="*fp32",
                      query_start_loc_ptr="*i64", seq_lens_ptr="*i64", block_tables_ptr="*i64", num_rows_ptr="*i64",
                      tile_offsets_ptr="*i64", scale="fp64")
-prefill_layout = dict(HEAD_DIM=D, HEAD_DIM_PAD=D, GROUP=4, GROUP_PAD=4, BLOCK_SIZE=16, BLOCK_M=16, BLOCK_N=64,
+prefill_layout = dict(HEAD_DIM=D, HEAD_DIM_PAD=D, GROUP=4, GROUP_PAD=4, BLOCK_SIZE=16, BLOCK_M=32, BLOCK_N=64,
                       ACC_DTYPE=tl.float32, DOT_DTYPE=tl.bfloat16, UPCAST=False)
 compile_kernel(prefill._prefill_attention_kernel, dict(prefill_layout, **model), prefill_types)
 fmt = FORMATS["turboquant_4bit_nc"]

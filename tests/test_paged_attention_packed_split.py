@@ -139,7 +139,8 @@ def test_gpu_packed_split_attention_matches_reference(name: str) -> None:
     reqs = [(3000, 1), (1200, 4), (64, 33), (500, 0), (0, 1), (700, 1)]
     args = packed_batch(fmt, reqs, 8, 2, 256, 16, torch.bfloat16, seed=15)
     out = paged_attention_packed(*args, fmt, 256)
-    assert max(row_splits(reqs, dict(block_n=32, max_splits=MAX_SPLITS, min_split_keys=64))) == MAX_SPLITS
+    # the 3001-key row: 47 splits of 64 keys, or the cap if lower
+    assert max(row_splits(reqs, dict(block_n=32, max_splits=MAX_SPLITS, min_split_keys=64))) == min(MAX_SPLITS, 47)
     assert_near(out, packed_reference(args, fmt, 256)[0], torch.bfloat16, GPU_TOL_SCALE)
     assert_padding_zero(out)
 

@@ -98,6 +98,14 @@ def test_packed_sparse_v_matches_tiled_reference(name: str, dtype: torch.dtype) 
     check_skipping_matches_tiled_reference(attend, args, reference, LAYOUT, dtype)
 
 
+def test_sparse_v_with_many_splits_matches_tiled_reference() -> None:
+    """Rows of 32 splits of 2 tiles (cap 32): each split decides its skips on its own running sum, and the merge of
+    the 32 splits (in groups of split slots) equals the tiled reference's."""
+    layout = dict(block_n=16, max_splits=32, min_split_keys=32)
+    args = attention_batch([(1000, 1), (985, 2), (30, 1)], 4, 2, 16, torch.float32, seed=28, peak=14.0)
+    check_skipping_matches_tiled_reference(paged_attention, args, model_reference, layout, torch.float32)
+
+
 def check_skipping_rows_same_alone_and_in_batches(name: str | None, dtype: torch.dtype, num_heads: int,
                                                   head_dim: int, block_size: int, context: int, k: int,
                                                   layout: dict[str, int], peak: float) -> None:  # fmt: skip

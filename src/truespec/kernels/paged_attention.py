@@ -2,47 +2,53 @@
 
 Programs are (query token, kv head, split): each serves its kv head's GQA group of query heads (padded to 16
 rows for ``tl.dot``) over one contiguous range of the row's keys, with online softmax in fp32 (fp64 for fp64),
-and emits (m, l, acc). A second kernel, one program per (row, query head), merges a row's splits:
-``m = max m_i; l = sum l_i e^(m_i - m); out = sum acc_i e^(m_i - m) / l``, the sums over the split slots
-0..SPLITS_PAD-1 in one fixed reduction tree (slots past the row's splits add exact zeros). The same two kernels
-serve the model-dtype cache (``paged_attention``) and the packed caches (kernels/paged_attention_packed.py): how
-a K / V tile is loaded or decoded is a compile-time encoding (kernels/kv_tiles.py); the model-dtype loop compiles
-as before the packed formats shared it (the same loads and ``tl.dot`` operand dtypes).
+and emits (m, l, acc). A second kernel (kernels/split_merge.py) merges a row's splits:
+``m = max m_i; l = sum l_i e^(m_i - m); out = sum acc_i e^(m_i - m) / l``, acc summed over groups of MERGE_SPLITS
+split slots in slot order, each group one fixed reduction tree. The same two kernels serve the model-dtype cache
+(``paged_attention``) and the packed caches (kernels/paged_attention_packed.py): how a K / V tile is loaded or
+decoded is a compile-time encoding (kernels/kv_tiles.py); the model-dtype loop compiles as before the packed
+formats shared it (the same loads and ``tl.dot`` operand dtypes).
 
-Split layout, the rule that keeps docs/ARCHITECTURE.md invariant 4: a row with ``num_keys`` keys (position + 1) uses
-``split_size = round_up(max(MIN_SPLIT_KEYS, cdiv(num_keys, MAX_SPLITS)), BLOCK_N)`` keys per split and
-``num_splits = cdiv(num_keys, split_size)`` (<= MAX_SPLITS) splits. That layout, the tiles each split walks
-(BLOCK_N-aligned from its start) and the merge are functions of ``num_keys`` and the compile-time constants
-only, never of the batch, T, the request's query length, the chunk or the other rows; the integers that do
-vary (num_reqs, the chunk's first row, the workspace stride) are not specialised on, so every call runs one
-binary. A row thus gives bitwise the same output as a plain decode, as a row of a 1+k verify, and inside a
-prefill chunk or a big mixed batch, as long as a model's calls keep one (block_n, max_splits, min_split_keys,
-num_warps) and dtype. A row with one split (``num_keys <= MIN_SPLIT_KEYS``; every row with ``max_splits=1``)
-runs the unsplit loop (tiles 0, BLOCK_N, ... up to its position) and writes ``acc / l`` itself; the merge
-skips it. Padding rows (token >= query_start_loc[num_reqs]) have 0 keys, one empty split, and write zeros.
+Split layout (kernels/split_merge.py): a row with ``num_keys`` keys (position + 1) uses ``split_size =
+round_up(max(MIN_SPLIT_KEYS, cdiv(num_keys, MAX_SPLITS)), BLOCK_N)`` keys per split and ``num_splits =
+cdiv(num_keys, split_size)`` (<= MAX_SPLITS) splits; that layout, the tiles each split walks
+(BLOCK_N-aligned from its start) and the merge are functions of ``num_keys`` and the compile-time constants only,
+never of the batch, T, the request's query length, the chunk or the other rows (docs/ARCHITECTURE.md invariant
+4); the integers that do vary (num_reqs, the chunk's first row, the workspace stride) are not specialised on, so
+every call runs one binary. A row thus gives bitwise the same output as a plain decode, as a row of a 1+k verify,
+and inside a prefill chunk or a big mixed batch, as long as a model's calls keep one (block_n, max_splits,
+min_split_keys, num_warps) and dtype (and the merge tile constants). A row with one split (``num_keys <=
+MIN_SPLIT_KEYS``; every row with ``max_splits=1``) runs the unsplit loop (tiles 0, BLOCK_N, ... up to its
+position) and writes ``acc / l`` itself; the merge skips it. Padding rows (token >= query_start_loc[num_reqs])
+have 0 keys, one empty split, and write zeros.
 Given ``num_prompt_rows`` (kernels/step_attention.py) both kernels skip request r's first ``num_prompt_rows[r]``
 rows (its prompt rows, which the prefill kernel computes into the same output) and leave them untouched; the skip is
 a runtime argument, not specialised, so every other row runs the same binary and loop with or without it (the
 sm_90 PTX's floating-point instructions, MMAs included, are in the same order as before the skip existed).
 
-Graph safety and bounded workspace: grids are (rows, kv heads, grid_splits) and (rows, heads), where
-``grid_splits = min(MAX_SPLITS, cdiv(block_tables.shape[1] * block_size, round_up(MIN_SPLIT_KEYS, BLOCK_N)))``
-bounds the splits any row can have from shapes alone (a graph's table has its fixed width); programs past
-their row's ``num_splits`` exit at once. The workspace (m, l [rows, heads, grid_splits] and acc [rows, heads,
-grid_splits, head_dim] in the accumulator dtype) holds ``max_workspace_bytes // bytes_per_row`` rows: the
-wrapper runs both kernels over fixed chunks of that many tokens (chunking by the static T only), reusing one
-workspace in stream order. At T=8192, 64 heads of 128, 16 splits: 520 KiB a row, chunks of 252 rows, 128 MiB.
+Graph safety and bounded workspace: grids are (rows, kv heads, grid_splits) and (rows, heads, head_dim /
+MERGE_DIM), where ``grid_splits = min(MAX_SPLITS, cdiv(block_tables.shape[1] * block_size,
+round_up(MIN_SPLIT_KEYS, BLOCK_N)))`` bounds the splits any row can have from shapes alone (a graph's table has
+its fixed width); programs past their row's ``num_splits`` exit at once. The workspace (m, l [rows, heads,
+grid_splits] and acc [rows, heads, grid_splits, head_dim] in the accumulator dtype) holds
+``max_workspace_bytes // bytes_per_row`` rows: the wrapper runs both kernels over fixed chunks of that many
+tokens (chunking by the static T only), reusing one workspace in stream order. At T=8192, 64 heads of 128, 16
+splits: 520 KiB a row, chunks of 252 rows, 128 MiB; at 64 splits 2 MiB a row, chunks of 63 rows.
 
 Why split: measured on an H200 (bf16, block size 16, CUDA graph replay, Qwen3.5-0.8B shape: 8 q / 2 kv heads
-of 256), us per call, this kernel vs an unsplit one (one program per (token, kv head), 8 warps): BS=1 decode at
-512 keys 7.7 vs 28, at 2048 keys 11 vs 106, at 8192 keys 28 vs 421; BS=1 1+3 verify at 512 keys ~7.5 vs 28;
-BS=32 decode at 512 keys 18 vs 30; BS=32 1+3 verify at 800 keys 70 vs 66 (enough rows already: splitting only
-adds the merge and the partial writes); 64 keys (one split) 5.4 vs 5.4; a 2048-token prefill 1064 vs 1192. A
-one-request 8192-token prefill with 64 heads of 128 takes 29.4 vs 24.2 ms (its fp32 partials, 0.5 MiB a row,
-are written and read back). Defaults: BLOCK_N 32, MAX_SPLITS 16, MIN_SPLIT_KEYS 64 (splits of >= 2 tiles),
-4 warps; max_splits 32 halves the 8192-key decode (17.5 us) for +1 us at 512 keys. At 2 kv heads BS=1 fills
-only 2 * num_splits SMs: the gain comes from the shorter chain of dependent tiles per program, which is what
-bounds the unsplit kernel.
+of 256), us per call, this kernel with MAX_SPLITS 16 vs an unsplit one (one program per (token, kv head), 8
+warps): BS=1 decode at 512 keys 7.7 vs 28, at 2048 keys 11 vs 106, at 8192 keys 28 vs 421; BS=1 1+3 verify at
+512 keys ~7.5 vs 28; BS=32 decode at 512 keys 18 vs 30; BS=32 1+3 verify at 800 keys 70 vs 66 (enough rows
+already: splitting only adds the merge and the partial writes); 64 keys (one split) 5.4 vs 5.4; a 2048-token
+prefill 1064 vs 1192. A one-request 8192-token prefill with 64 heads of 128 takes 29.4 vs 24.2 ms (its fp32
+partials, 0.5 MiB a row, are written and read back). max_splits 32 halved the 8192-key decode (17.5 us) for
++1 us at 512 keys (then from a merge tile as wide as the cap, now a loop that stops at the row's splits). At 2 kv
+heads BS=1 fills only 2 * num_splits SMs: the gain comes from the shorter chain of dependent tiles per program,
+which is what bounds the unsplit kernel, and the packed formats (unpacking and centroid gathers per element) need
+the extra programs most: with 16 splits a 32K-key row reached 4-10% of copy bandwidth in bf16, and the TurboQuant
+formats 0.13-0.67x of bf16's speed (issue 14). Defaults: BLOCK_N 32, MIN_SPLIT_KEYS 64 (splits of >= 2 tiles), 4
+warps, and MAX_SPLITS 64 (a 32K-key row: 64 splits of 512 keys; rows up to 1,024 keys split as with 16): the cap's
+timings at 64 and 128 are still to be measured (benchmarks/kv_decode_speed.py ``--max-splits 16 64 128``).
 
 Sparse-V tile skip (``sparse_v_threshold``; vLLM PR #41422, /work/shared/DESIGN.md): after a tile's
 ``p = exp(s - m_new)`` and ``l = l * alpha + sum(p)``, a tile whose largest weight ``p / l`` over every query head
@@ -72,44 +78,16 @@ from truespec.kernels.kv_tiles import (
     tile_scores,
     tile_slots,
 )
-from truespec.kernels.triton_utils import (
-    find_request,
-    needs_dot_upcast,
-    pad_pow2,
-    reduce_max,
-    reduce_sum,
-    tl_compute_dtype,
-)
+from truespec.kernels.split_merge import combine_splits_kernel, merge_grid_and_tile, prompt_row, row_layout
+from truespec.kernels.triton_utils import needs_dot_upcast, pad_pow2, reduce_max, tl_compute_dtype
 from truespec.ops.attention import BLOCK_N, MAX_SPLITS, MIN_SPLIT_KEYS
 
-NUM_WARPS = 4  # BLOCK_N, MAX_SPLITS, MIN_SPLIT_KEYS (ops/attention.py): tuned on an H200 (module docstring)
+NUM_WARPS = 4  # BLOCK_N, MAX_SPLITS, MIN_SPLIT_KEYS: ops/attention.py (module docstring: what was tuned, what not)
 MAX_WORKSPACE_BYTES = 128 << 20
+# The merge kernel's tile: split slots per step of its loop x output dims per program (and its warps). Like
+# NUM_WARPS they fix a row's bits (its reduction tree), so they are constants; not yet tuned on a GPU.
+MERGE_SPLITS, MERGE_DIM, MERGE_WARPS = 16, 64, 4
 _TL_16BIT = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
-
-
-@triton.jit
-def _row_layout(query_start_loc_ptr, seq_lens_ptr, num_reqs, token, BLOCK_N: tl.constexpr,
-                MAX_SPLITS: tl.constexpr, MIN_SPLIT_KEYS: tl.constexpr):  # fmt: skip
-    """(request, num_keys, split_size, num_splits) of packed row ``token``: 0 keys and one empty split for
-    padding rows. ``ops.attention.split_layout``'s rule, from ``num_keys`` and the constants only."""
-    r = find_request(query_start_loc_ptr, num_reqs, token)
-    q_start = tl.load(query_start_loc_ptr + r)
-    q_end = tl.load(query_start_loc_ptr + r + 1)
-    is_valid = token < tl.load(query_start_loc_ptr + num_reqs)  # rows past the last request are padding
-    position = tl.load(seq_lens_ptr + r) - (q_end - q_start) + (token - q_start)
-    num_keys = tl.where(is_valid, position + 1, 0)  # causal: keys 0..position
-    split_size = tl.maximum((num_keys + MAX_SPLITS - 1) // MAX_SPLITS, MIN_SPLIT_KEYS)
-    split_size = (split_size + BLOCK_N - 1) // BLOCK_N * BLOCK_N
-    num_splits = tl.maximum((num_keys + split_size - 1) // split_size, 1)
-    return r, num_keys, split_size, num_splits
-
-
-@triton.jit
-def _is_prompt_row(query_start_loc_ptr, num_prompt_rows_ptr, skip_prompt_rows, r, token):
-    """Whether packed row ``token`` of request ``r`` is one of the request's leading ``num_prompt_rows[r]`` rows,
-    which the prefill kernel computes (only with ``skip_prompt_rows``; padding rows never are)."""
-    offset = token - tl.load(query_start_loc_ptr + r)
-    return (skip_prompt_rows != 0) & (offset < tl.load(num_prompt_rows_ptr + r))
 
 
 # One binary for every batch, chunk and (eager) block-table width: integer arguments that vary are not specialised.
@@ -166,10 +144,9 @@ def _paged_attention_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     token = row_offset + row
-    r, num_keys, split_size, num_splits = _row_layout(
-        query_start_loc_ptr, seq_lens_ptr, num_reqs, token, BLOCK_N, MAX_SPLITS, MIN_SPLIT_KEYS
-    )
-    is_prompt_row = _is_prompt_row(query_start_loc_ptr, num_prompt_rows_ptr, skip_prompt_rows, r, token)
+    r, num_keys, split_size, num_splits = row_layout(query_start_loc_ptr, seq_lens_ptr, num_reqs, token, BLOCK_N,
+                                                     MAX_SPLITS, MIN_SPLIT_KEYS)  # fmt: skip
+    is_prompt_row = prompt_row(query_start_loc_ptr, num_prompt_rows_ptr, skip_prompt_rows, r, token)
     if (split >= num_splits) | is_prompt_row:  # past the row's splits, or the prefill kernel's row: nothing to do
         return
     key_start = split * split_size
@@ -221,56 +198,6 @@ def _paged_attention_kernel(
         tl.store(ws_m_ptr + ws_row, m, mask=g < GROUP)
         tl.store(ws_l_ptr + ws_row, l, mask=g < GROUP)
         tl.store(ws_acc_ptr + ws_row[:, None] * HEAD_DIM + d[None, :], acc, mask=q_mask)
-
-
-@triton.jit(do_not_specialize=["num_reqs", "row_offset", "ws_splits", "skip_prompt_rows"])
-def _combine_splits_kernel(
-    out_ptr,  # [T, num_heads, head_dim]
-    ws_m_ptr,  # [chunk, num_heads, ws_splits]
-    ws_l_ptr,  # [chunk, num_heads, ws_splits]
-    ws_acc_ptr,  # [chunk, num_heads, ws_splits, HEAD_DIM]
-    query_start_loc_ptr,  # [R + 1]
-    seq_lens_ptr,  # [R]
-    num_prompt_rows_ptr,  # [R]
-    num_reqs,
-    row_offset,
-    ws_splits,
-    skip_prompt_rows,
-    stride_o_tok,
-    stride_o_head,
-    HEAD_DIM: tl.constexpr,
-    HEAD_DIM_PAD: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    MAX_SPLITS: tl.constexpr,
-    SPLITS_PAD: tl.constexpr,
-    MIN_SPLIT_KEYS: tl.constexpr,
-):
-    """One program per (row, query head): merges the row's splits 0..num_splits-1; rows of one split
-    (already written by the first kernel) and the prefill kernel's rows store nothing."""
-    row = tl.program_id(0)
-    head = tl.program_id(1)
-    token = row_offset + row
-    r, _, _, num_splits = _row_layout(
-        query_start_loc_ptr, seq_lens_ptr, num_reqs, token, BLOCK_N, MAX_SPLITS, MIN_SPLIT_KEYS
-    )
-    if (num_splits == 1) | _is_prompt_row(query_start_loc_ptr, num_prompt_rows_ptr, skip_prompt_rows, r, token):
-        return
-
-    s = tl.arange(0, SPLITS_PAD)
-    d = tl.arange(0, HEAD_DIM_PAD)
-    s_mask = s < num_splits
-    ws_row = (row * tl.num_programs(1) + head) * ws_splits + s  # [SPLITS_PAD]
-    m_i = tl.load(ws_m_ptr + ws_row, mask=s_mask, other=float("-inf"))
-    l_i = tl.load(ws_l_ptr + ws_row, mask=s_mask, other=0.0)
-    m = reduce_max(m_i, 0)  # finite: split 0 holds keys
-    w = tl.exp(m_i - m)  # [SPLITS_PAD]; 0 for splits past num_splits
-    l = reduce_sum(l_i * w, 0)
-    acc_mask = s_mask[:, None] & (d[None, :] < HEAD_DIM)
-    acc_i = tl.load(ws_acc_ptr + ws_row[:, None] * HEAD_DIM + d[None, :], mask=acc_mask, other=0.0)
-    acc = reduce_sum(acc_i * w[:, None], 0)  # [HEAD_DIM_PAD]: a fixed reduction tree over split slots
-    out = acc / tl.where(l > 0, l, 1.0)
-    o_ptrs = out_ptr + token * stride_o_tok + head * stride_o_head + d
-    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
 
 def paged_attention(
@@ -362,8 +289,7 @@ def split_attention(
     if num_tokens == 0:
         return out
     group = num_heads // tiles.num_kv_heads
-    constants = dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=pad_pow2(head_dim), BLOCK_N=block_n, MAX_SPLITS=max_splits,
-                     MIN_SPLIT_KEYS=min_split_keys)  # fmt: skip
+    constants = dict(HEAD_DIM=head_dim, BLOCK_N=block_n, MAX_SPLITS=max_splits, MIN_SPLIT_KEYS=min_split_keys)
     # A row holds at most width * block_size keys (its table's cells) and a split at least
     # round_up(min_split_keys, block_n) of them: fewer split programs when the table is narrow, from shapes only.
     grid_splits = min(max_splits, max(1, triton.cdiv(block_tables.shape[1] * tiles.block_size,
@@ -387,13 +313,13 @@ def split_attention(
             q.stride(1), out.stride(0), out.stride(1), tiles.value_offset, *tiles.strides, block_tables.stride(0),
             GROUP=group, GROUP_PAD=pad_pow2(group), BLOCK_SIZE=tiles.block_size, ACC_DTYPE=tl_compute_dtype(out.dtype),
             DOT_DTYPE=dot_dtype(out.dtype), UPCAST=needs_dot_upcast(out.dtype), SPARSE_V=sparse_v_threshold is not None,
-            num_warps=num_warps,
+            HEAD_DIM_PAD=pad_pow2(head_dim), num_warps=num_warps,
             **tiles.encoding, **constants,
         )  # fmt: skip
         if grid_splits > 1:
-            _combine_splits_kernel[(rows, num_heads)](
+            grid, tile = merge_grid_and_tile(rows, num_heads, head_dim, max_splits, MERGE_SPLITS, MERGE_DIM)
+            combine_splits_kernel[grid](
                 out, ws_m, ws_l, ws_acc, query_start_loc, seq_lens, prompt_rows, num_reqs, row_offset, grid_splits,
-                skip, out.stride(0), out.stride(1), SPLITS_PAD=triton.next_power_of_2(max_splits), num_warps=4,
-                **constants,
+                skip, out.stride(0), out.stride(1), num_warps=MERGE_WARPS, **tile, **constants,
             )  # fmt: skip
     return out

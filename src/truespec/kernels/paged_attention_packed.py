@@ -17,11 +17,11 @@ operands; the rotated q and the centroids are split into two 16-bit halves), acc
 multiply decoded tiles in IEEE fp32, fp64 models in fp64. Softmax runs in fp32 (fp64), the output in q's dtype.
 
 A row's split layout and tiles are functions of its number of keys and the compile-time constants only
-(``_row_layout``), so a row gives bitwise the same output as a decode, inside a 1+k verify, a prefill chunk or any
-mixed batch (docs/ARCHITECTURE.md invariant 4). Padding rows write zeros. No host reads; grids and the workspace
-come from tensor shapes only; the rotation matrix and centroid table are cached per (head_dim, bits, dtype,
-device), so a first eager call before capture makes the wrapper CUDA-graph capturable. The cache is written by
-kernels/kv_store_packed.py (``store_packed``).
+(kernels/split_merge.py ``row_layout``), so a row gives bitwise the same output as a decode, inside a 1+k verify, a
+prefill chunk or any mixed batch (docs/ARCHITECTURE.md invariant 4). Padding rows write zeros. No host reads; grids
+and the workspace come from tensor shapes only; the rotation matrix and centroid table are cached per (head_dim,
+bits, dtype, device), so a first eager call before capture makes the wrapper CUDA-graph capturable. The cache is
+written by kernels/kv_store_packed.py (``store_packed``).
 
 fp64 q runs under Triton's interpreter only: compiled, Triton 3.6 cannot lower an fp64 ``tl.dot`` whose operand
 is decoded in registers ("fp64 don't support largeK MMA"), so the wrapper refuses fp64 on CUDA.
@@ -29,7 +29,7 @@ is decoded in registers ("fp64 don't support largeK MMA"), so the wrapper refuse
 Not done yet (speed only; correctness does not need them):
 - per-layer calibrated fp8 k_scale / v_scale (the formats use 1.0, as the reference).
 - no GPU tuning for packed caches: BLOCK_N / MAX_SPLITS / MIN_SPLIT_KEYS / num_warps are the model-dtype
-  kernel's defaults.
+  kernel's defaults (the cap of 64 splits, meant for these formats at 8K-32K keys, is still to be measured).
 """
 
 from functools import cache

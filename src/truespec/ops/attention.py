@@ -22,9 +22,10 @@ from truespec.ops.precision import compute_dtype
 SlotDecoder = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
-# the kernels' split layout (kernels/paged_attention.py, tuned on an H200): keys per tile, most splits per row, fewest
-# keys per split. Here so that the reference can follow the kernels' tiles without importing triton.
-BLOCK_N, MAX_SPLITS, MIN_SPLIT_KEYS = 32, 16, 64
+# the kernels' split layout (kernels/paged_attention.py, kernels/split_merge.py): keys per tile, most splits per row
+# (the cap: 16 was tuned on an H200, 64 is still to be measured at 8K-32K keys), fewest keys per split. Here so that
+# the reference can follow the kernels' tiles without importing triton.
+BLOCK_N, MAX_SPLITS, MIN_SPLIT_KEYS = 32, 64, 64
 
 
 class SparseV(NamedTuple):
@@ -43,8 +44,9 @@ class SparseV(NamedTuple):
 
 
 def split_layout(num_keys: int, block_n: int, max_splits: int, min_split_keys: int) -> tuple[int, int]:
-    """(split_size, num_splits) of a row with ``num_keys`` keys: the kernels' rule (``_row_layout``), which depends
-    on the row's keys and the constants only (invariant 4). Padding rows (0 keys) have one empty split."""
+    """(split_size, num_splits) of a row with ``num_keys`` keys: the kernels' rule (kernels/split_merge.py
+    ``row_layout``), which depends on the row's keys and the constants only (invariant 4): one split per
+    ``min_split_keys`` keys up to ``max_splits``, then longer splits. Padding rows (0 keys) have one empty split."""
     split_size = -(-max(min_split_keys, -(-num_keys // max_splits)) // block_n) * block_n
     return split_size, max(-(-num_keys // split_size), 1)
 
