@@ -159,6 +159,19 @@ def test_no_prompt_rows_is_the_split_kernel_alone() -> None:
     assert torch.equal(step_attention(*args, i64(num_prompt_rows(reqs))), paged_attention(*args))
 
 
+def test_a_prompt_only_step_skips_the_split_kernel_with_the_same_bits() -> None:
+    """is_prompt_only (an eager step of prompt chunks only): the prefill kernel alone writes every row, bitwise what
+    the two-kernel dispatch gives, and the split kernel is never launched."""
+    reqs = [(c, n, c + n) for c, n, _ in REQS]  # every query row a prompt row
+    args, _ = step_args(reqs, None, torch.float32, 4, 2, 16, 4, seed=21)
+    prompt_rows = i64(num_prompt_rows(reqs))
+    both = step_attention(*args, prompt_rows)
+    with mock.patch("truespec.kernels.step_attention.split_attention", side_effect=AssertionError("launched")):
+        alone = step_attention(*args, prompt_rows, is_prompt_only=True)
+    real = int(args[2][-1])  # the engine sets is_prompt_only only without padding rows, which it leaves unwritten
+    assert real > 0 and torch.equal(alone[:real], both[:real])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_attention_layer_hands_the_steps_prompt_rows_to_the_dispatch(dtype: torch.dtype,
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:

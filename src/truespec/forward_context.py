@@ -43,6 +43,8 @@ class ForwardContext:
     # CUDA attention computes with the prefill kernel (kernels/step_attention.py); padding requests 0. None: no row of
     # the step is a prompt row (decodes, verifies, drafters' steps), so no prefill kernel runs.
     num_prompt_rows: torch.Tensor | None = None
+    # every row of this (eager, unpadded) step is a prompt row: the split-KV kernel need not launch at all
+    is_prompt_only: bool = False
     # What the CPU path's layers derive from the metadata once per forward and share (ops/gdn_batched.StepRows);
     # emptied whenever the context is set, since a reused context's tensors may have moved in place.
     host_cache: dict[str, Any] = field(default_factory=dict)

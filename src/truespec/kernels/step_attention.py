@@ -46,16 +46,23 @@ def step_attention(
     sparse_v_threshold: float | None = None,
     sparse_v_min_keys: int = 0,
     max_workspace_bytes: int = MAX_WORKSPACE_BYTES,
+    is_prompt_only: bool = False,
 ) -> torch.Tensor:
     """Causal attention of q [T, num_heads, head_dim] over the paged ``kv_cache`` (model dtype, or packed in
     ``fmt``): request r's first ``num_prompt_rows[r]`` (device, [R]) query rows by the prefill kernel, its other
     rows by the split-KV kernel with the sparse-V arguments of ``paged_attention``. Rows past
-    ``query_start_loc[-1]`` (padding) come back as zeros. Returns ``out`` (allocated if None) in q's dtype."""
+    ``query_start_loc[-1]`` (padding) come back as zeros. ``is_prompt_only`` (the host knows it: an eager step
+    without padding whose every row is a prompt row; padding rows would be left unwritten): the split-KV kernel,
+    which would only skip every row, is not launched (at 64 splits its workspace holds ~250 rows, so an 8K-token
+    prefill chunk was 33 empty launches a layer, 9% of its GPU time). Returns ``out`` (allocated if None) in q's
+    dtype."""
     if fmt is None:
         q_in, tiles = q, model_cache_tiles(q, kv_cache)
     else:
         q_in, tiles = packed_cache_tiles(q, kv_cache, fmt, q.shape[-1])
     out = torch.empty_like(q) if out is None else out
+    if is_prompt_only and num_prompt_rows is not None:
+        return prefill_rows(q_in, tiles, query_start_loc, seq_lens, block_tables, num_prompt_rows, scale, out)
     split_attention(q_in, tiles, query_start_loc, seq_lens, block_tables, scale, out, BLOCK_N, MAX_SPLITS,
                     MIN_SPLIT_KEYS, NUM_WARPS, max_workspace_bytes, sparse_v_threshold, sparse_v_min_keys,
                     num_prompt_rows)  # fmt: skip

@@ -159,6 +159,7 @@ class GraphRunner:
             inputs = build_step(rows, input_ids, positions, self.block_size, self.device)
             if not has_prompt_rows:
                 inputs.ctx.num_prompt_rows = None
+            inputs.ctx.is_prompt_only = has_prompt_rows and all(row.num_prompt_rows == row.query_len for row in rows)
             self._device_inputs(inputs, num_tokens, len(rows), input_ids_from, shift)
             with set_forward_context(inputs.ctx):
                 return self._call(inputs, None, hidden), inputs
