@@ -138,3 +138,45 @@ def test_prompt_logprob_rows_cover_each_prompt_token_once() -> None:
         if r.is_last_chunk:
             a.output_token_ids.append(7)
     assert seen == a.prompt_token_ids[1:] and a.output_token_ids == [7, 7]
+
+
+def make_capped(threshold: int | None, budget: int = 5000) -> Scheduler:
+    kv = KVCacheManager(2048, 4, 4, 1)
+    return Scheduler(kv, 4, budget, 0, long_prefill_token_threshold=threshold)
+
+
+def test_a_long_prompt_alone_takes_the_whole_budget_but_is_capped_beside_decodes() -> None:
+    """Default (None): the cap (AUTO_LONG_PREFILL_TOKENS) applies only while a running request decodes."""
+    from truespec.core.scheduler import AUTO_LONG_PREFILL_TOKENS
+
+    sched = make_capped(None)
+    sched.add(seq("alone", 6000))
+    assert run_step(sched) == [("alone", 5000)]
+    sched = make_capped(None)
+    sched.add(seq("short", 3))
+    run_step(sched)  # short is decoding from now on
+    sched.add(seq("long", 6000))
+    assert run_step(sched) == [("short", 1), ("long", AUTO_LONG_PREFILL_TOKENS)]
+    assert run_step(sched) == [("short", 1), ("long", AUTO_LONG_PREFILL_TOKENS)]
+    assert run_step(sched) == [("short", 1), ("long", 6000 - 2 * AUTO_LONG_PREFILL_TOKENS)]  # its last chunk
+
+
+def test_long_prefill_token_threshold_caps_always_and_zero_never() -> None:
+    sched = make_capped(100)
+    sched.add(seq("a", 250))
+    assert [run_step(sched) for _ in range(3)] == [[("a", 100)], [("a", 100)], [("a", 50)]]
+    sched = make_capped(0)
+    sched.add(seq("short", 3))
+    run_step(sched)
+    sched.add(seq("long", 4000))
+    assert run_step(sched) == [("short", 1), ("long", 4000)]
+
+
+def test_long_prefill_token_threshold_is_validated() -> None:
+    import pytest
+
+    from truespec.config import EngineConfig
+
+    for bad in (-1, 1.5, True, "2048"):
+        with pytest.raises(ValueError, match="long_prefill_token_threshold"):
+            EngineConfig(model="m", long_prefill_token_threshold=bad)

@@ -51,6 +51,19 @@ def test_mixed_batch_state_after_acceptance(tiny_models: dict[str, Path], refere
 
 
 @pytest.mark.parametrize("arch", ["hybrid", "qwen3"])
+def test_prompt_chunks_capped_beside_verifies_keep_the_tokens(tiny_models: dict[str, Path], references: dict,
+                                                              arch: str) -> None:
+    """long_prefill_token_threshold=5: every prompt is cut into 5-token chunks that run beside decodes and verifies
+    of every length; each request's tokens are the reference's (no speculation, no cap)."""
+    prompts, ref = references[arch]
+    llm = spec_llm(tiny_models[arch], 3, max_num_batched_tokens=64, long_prefill_token_threshold=5)
+    oracle = OracleProposer({tuple(p["prompt_token_ids"]): r for p, r in zip(prompts, ref, strict=True)}, 3, 300)
+    llm.llm_engine.proposer = oracle
+    assert generate(llm, prompts, greedy()) == ref
+    assert llm.get_metrics()["num_accepted_tokens"] > 0
+
+
+@pytest.mark.parametrize("arch", ["hybrid", "qwen3"])
 @pytest.mark.parametrize("k", [1, 3, 8])
 def test_ngram_is_lossless(tiny_models: dict[str, Path], arch: str, k: int) -> None:
     g = torch.Generator().manual_seed(k)

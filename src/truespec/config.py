@@ -19,6 +19,9 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
+    # prompt tokens one request computes per step (vLLM's setting): > 0 always, 0 never, None: 2048 while another
+    # request is decoding (core/scheduler.py), so a long prompt does not stall running requests
+    long_prefill_token_threshold: int | None = None
     # the cache's fields, validated by kv_cache.CacheConfig (the engine builds one from them first)
     block_size: int = 16
     kv_cache_dtype: str = "auto"  # "auto": the model's dtype
@@ -80,6 +83,9 @@ class EngineConfig:
         check(self.device in DEVICES or str(self.device).startswith("cuda:"), "device",
               f"must be one of {DEVICES} or 'cuda:N', got {self.device!r}")
         _positive(self, "max_num_seqs", "max_num_batched_tokens")
+        threshold = self.long_prefill_token_threshold
+        check(threshold is None or (isinstance(threshold, int) and not isinstance(threshold, bool) and threshold >= 0),
+              "long_prefill_token_threshold", f"must be None or an int >= 0, got {threshold!r}")
         check(self.max_model_len is None or is_pos_int(self.max_model_len), "max_model_len",
               f"must be a positive int, got {self.max_model_len!r}")
         check(isinstance(self.seed, int) and not isinstance(self.seed, bool), "seed",

@@ -11,6 +11,12 @@ The scheduler allocates every block a step writes: the query positions, and on a
 ``num_lookahead_tokens`` more for the drafts a model drafter writes after the step (vLLM's lookahead slots).
 With prefix caching a request is admitted after its longest cached prefix, and its progress is cached before each
 step (core/prefix_planner.py).
+
+A long prompt joining running requests would stall their decodes for a whole step of ``max_num_batched_tokens``
+prompt tokens (on an H100, 8,192-token chunks of a 32K prompt held 8 decoding requests' next tokens for 180-963 ms).
+``long_prefill_token_threshold`` (vLLM's setting) caps the prompt tokens one request computes in a step: a positive
+value always; 0 never; None (the default) caps at ``AUTO_LONG_PREFILL_TOKENS`` only while some running request is
+decoding, so a prompt alone still gets the whole budget.
 """
 
 import time
@@ -21,14 +27,20 @@ from truespec.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from truespec.core.sequence import PLACEHOLDER, Sequence, SequenceStatus, token_slice
 from truespec.kv_cache.manager import KVCacheManager
 
+# ~22 ms of prefill per step on an H100 for the Qwen3.5-0.8B shape (~11 us a prompt token at 8K, BENCHMARKS.md
+# "Session 11"); a multiple of 64, so chunks it cuts start where fla's 64-token chunks do
+AUTO_LONG_PREFILL_TOKENS = 2048
+
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 num_lookahead_tokens: int = 0) -> None:
+                 num_lookahead_tokens: int = 0, long_prefill_token_threshold: int | None = None) -> None:
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.num_lookahead_tokens = num_lookahead_tokens
+        self.long_prefill_token_threshold = long_prefill_token_threshold
+        self._prefill_cap: int | None = None  # this step's cap on a request's prompt tokens (None: none)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0  # total since start, for tests and metrics
@@ -47,6 +59,7 @@ class Scheduler:
             for seq in self.running:
                 self.prefix.progress(seq)
         budget = self.max_num_batched_tokens
+        self._prefill_cap = self._step_prefill_cap()
         i, skipped = 0, []
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
@@ -106,11 +119,21 @@ class Scheduler:
         remaining = seq.num_uncomputed_tokens
         drafts = seq.draft_token_ids[:self.max_drafts(seq)]
         limit = self.prefix.chunk_limit(seq) if remaining > 1 else None
+        if self._prefill_cap is not None and remaining > 1:
+            limit = min(limit or self._prefill_cap, self._prefill_cap)
         if remaining + len(drafts) <= budget and (limit is None or remaining <= limit):
             return remaining, drafts
         if remaining > 1:
             return min(remaining - 1, budget, limit or budget), []  # a prefill chunk; the drafts wait for the last
         return None
+
+    def _step_prefill_cap(self) -> int | None:
+        """The most prompt tokens one request computes this step (module docstring); None: the budget's."""
+        threshold = self.long_prefill_token_threshold
+        if threshold is None:
+            is_decoding = any(seq.num_uncomputed_tokens <= 1 for seq in self.running)
+            return AUTO_LONG_PREFILL_TOKENS if is_decoding else None
+        return threshold or None
 
     def max_drafts(self, seq: Sequence) -> int:
         """Drafts a request may verify in one step: what fits a step's budget beside its input token, and

@@ -88,7 +88,8 @@ class LLMEngine:
             capture_sizes=config.compilation_config.capture_sizes(config.max_num_batched_tokens + n * k),
             max_blocks_per_req=-(-(self.max_model_len + k + 1) // cache.block_size))
         self.runner.init_graphs(graphs)
-        self.scheduler = Scheduler(self.kv, n, config.max_num_batched_tokens, num_lookahead_tokens(spec))
+        self.scheduler = Scheduler(self.kv, n, config.max_num_batched_tokens, num_lookahead_tokens(spec),
+                                   config.long_prefill_token_threshold)
         self.proposer = make_proposer(spec, drafter, num_blocks, self.kv.num_state_slots, self.device, config.seed,
                                       graphs, self.hf_config.hidden_size, cache.kv_cache_dtype)
         self.runner.graphs.warm_up(config.max_num_batched_tokens, num_blocks)  # compile now, not in a first prompt

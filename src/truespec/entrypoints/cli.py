@@ -80,6 +80,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    parser.add_argument("--long-prefill-token-threshold", type=int, default=None,
+                        help="prompt tokens one request computes per step: > 0 always, 0 never (default: 2048 while "
+                             "another request is decoding)")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
                         help="KV cache storage (default auto: the model dtype; fp8, TurboQuant presets)")
@@ -109,7 +112,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
                   block_size=args.block_size, kv_cache_dtype=args.kv_cache_dtype, enforce_eager=args.enforce_eager,
                   compilation_config=args.compilation_config, async_scheduling=args.async_scheduling,
                   batch_invariant=args.batch_invariant, structured_outputs_config=args.structured_outputs_config,
-                  cpu_threads=args.cpu_threads)
+                  cpu_threads=args.cpu_threads, long_prefill_token_threshold=args.long_prefill_token_threshold)
     kwargs.update({k.name: getattr(args, k.name) for k in KNOBS if getattr(args, k.name) is not None})
     return kwargs | sparse_v_kwargs(args) | prefix_caching_kwargs(args)
 
