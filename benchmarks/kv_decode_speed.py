@@ -138,7 +138,8 @@ def main() -> None:
     for dtype in args.kv_cache_dtypes:
         llm = LLM(args.model, dtype="bfloat16", device="cuda", kv_cache_dtype=dtype, max_model_len=max_len,
                   max_num_seqs=max(args.batch_sizes), max_num_batched_tokens=2048,
-                  compilation_config={"max_cudagraph_capture_size": max(args.batch_sizes)})
+                  compilation_config={"max_cudagraph_capture_size": max(args.batch_sizes)},
+                  enable_prefix_caching=False)
         for layer in llm.llm_engine.loaded.model.attention_layers():
             _fill_random(layer, gen)
         results[dtype] = {}

@@ -42,7 +42,7 @@ def main() -> None:
     for name in args.configs:
         spec, kwargs = CONFIGS[name]
         llm = LLM(dtype="bfloat16", device="cuda", max_model_len=2048, max_num_seqs=args.batch_size,
-                  speculative_config=spec, **kwargs)
+                  speculative_config=spec, enable_prefix_caching=False, **kwargs)
         llm.generate(prompts, params, use_tqdm=False)
         steps_before = llm.get_metrics().get("num_steps", 0)
         torch.cuda.synchronize()

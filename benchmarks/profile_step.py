@@ -23,7 +23,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16")
     args = parser.parse_args()
     llm = LLM(args.model, dtype=args.dtype, device="cuda", enforce_eager=True, max_model_len=4096,
-              max_num_seqs=args.batch_size)
+              max_num_seqs=args.batch_size, enable_prefix_caching=False)
     gen = torch.Generator().manual_seed(0)
     prompts = [{"prompt_token_ids": torch.randint(10, 2000, (args.input_len,), generator=gen).tolist()}
                for _ in range(args.batch_size)]

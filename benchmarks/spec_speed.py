@@ -61,7 +61,8 @@ def main() -> None:
     results = []
     for graphs, method, kwargs in configs():
         for bs in (1, 16):
-            llm = LLM(dtype=args.dtype, device="cuda", max_model_len=2048, max_num_seqs=bs, **kwargs)
+            llm = LLM(dtype=args.dtype, device="cuda", max_model_len=2048, max_num_seqs=bs,
+                      enable_prefix_caching=False, **kwargs)  # repeated prompts must not skip prefill
             llm.generate(by_kind["edit"][-2:], SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)
             for kind in KINDS:
                 prompts = by_kind[kind][: args.bs1_prompts if bs == 1 else 16]

@@ -39,7 +39,8 @@ def main() -> None:
     params = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True)
     for label, kwargs in [("queued ahead", {"async_scheduling": True}), ("host-planned", {"async_scheduling": False})]:
         llm = LLM(dtype="bfloat16", device="cuda", max_model_len=2048, max_num_seqs=1,
-                  speculative_config={"method": "mtp", "num_speculative_tokens": 3}, **kwargs)
+                  speculative_config={"method": "mtp", "num_speculative_tokens": 3}, enable_prefix_caching=False,
+                  **kwargs)
         llm.generate(pool[:2], params, use_tqdm=False)
         engine, acc = llm.llm_engine, defaultdict(float)
         phases = [(engine.overlap, ["launch", "launch_next"]), (engine.runner, ["collect", "launch"]),

@@ -77,7 +77,7 @@ def main() -> None:
     parser.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=True)
     args = parser.parse_args()
     llm = LLM(args.model, dtype=args.dtype, device="cuda", max_model_len=4096, max_num_seqs=max(args.batch_sizes),
-              batch_invariant=args.batch_invariant)
+              batch_invariant=args.batch_invariant, enable_prefix_caching=False)
     rows = [(bs, measure(llm, bs, args.input_len, args.steps)) for bs in args.batch_sizes]
     print(f"\n{torch.cuda.get_device_name()}, decode steps after a {args.input_len}-token prompt, CUDA graphs, "
           f"batch_invariant={args.batch_invariant}")
