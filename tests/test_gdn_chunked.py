@@ -226,7 +226,8 @@ def test_the_layer_follows_the_rule_flags_instead_of_the_chunk_length(monkeypatc
     from truespec.layers.gdn import _use_chunked_prefill
     from truespec.worker.input_builder import ContextRow, build_forward_context
 
-    monkeypatch.setattr(chunked_mod, "is_available", lambda: True)  # as if fla ran here
+    monkeypatch.setattr(chunked_mod, "is_available", lambda: True)  # as if fla ran here (on CUDA, not capturing)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
 
     def uses_fla(n: int, flag: bool | None, dtype: torch.dtype = torch.bfloat16) -> bool:
         ctx = build_forward_context([ContextRow([0], 0, n, -1, 0, n - 1, 1, n, flag)], 4096, torch.device("cpu"))
