@@ -178,6 +178,66 @@ def test_chunked_requests_read_sources_first_and_keep_only_final_states(
         check_against_reference(batch(rows, hk=2, hv=4, dk=8, dv=12, dtype=dtype, seed=seed), 8, tol=0)
 
 
+def test_flagged_requests_go_to_the_chunk_kernel_whatever_their_length() -> None:
+    """A GdnPrefillRule's flags (core/gdn_prefill_rule.py) replace the length rule: a flagged 1-token chunk goes to
+    the chunk kernel, an unflagged 2000-token one to the loop; a flagged query keeping more than its final state
+    still takes the loop; without a usable kernel (inf) nothing does."""
+    lens, dst, write_start = [1, 2000, 64, 4, 0, 130], [0, 4, -1, 12, 16, 20], [0, 1999, 63, 0, -1, 129]
+    flags = [True, False, True, True, True, True]
+    qsl = [0]
+    for n in lens:
+        qsl.append(qsl[-1] + n)
+    split = split_requests(qsl, dst, write_start, min_chunk_len=64, is_chunked=flags)
+    assert split.chunked == [0, 2, 5] and split.recurrent == [1, 3]
+    unusable = split_requests(qsl, dst, write_start, min_chunk_len=float("inf"), is_chunked=flags)
+    assert unusable.chunked == [] and unusable.recurrent == [0, 1, 2, 3, 5]
+
+
+def test_gdn_chunked_sends_exactly_the_flagged_requests_to_the_chunk_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With per-request flags the chunk kernel gets exactly the flagged requests (short ones included), the rest run
+    the loop bitwise as gdn_recurrent, the flagged ones as the stand-in chunk kernel (the reference) computes them."""
+    calls = []
+
+    def recording_kernel(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202 - fla's signature
+        calls.append(kwargs["cu_seqlens_cpu"].tolist())
+        return reference_chunk_kernel(*args, **kwargs)
+
+    monkeypatch.setattr(chunked_mod, "_chunk_kernel", lambda: recording_kernel)
+    rows = [(3, -1, 0, 2), (9, 5, 4, 8), (1, 9, 8, 0), (5, 13, 12, 4), (2, 17, 16, 0)]  # last: a 1+1 verify
+    flags = [True, False, True, True, True]
+    b = batch(rows, hk=2, hv=4, dk=8, dv=12, dtype=torch.float32, seed=3)
+    tensors, host = [b[n] for n in ("q", "k", "v", "g", "beta")], b["host"]
+    states = [b["state"].clone() for _ in range(3)]
+    kwargs = {f"{name}_cpu": x for name, x in host.items()}
+    out = gdn_chunked(*tensors, states[0], **b["meta"], **kwargs, is_chunked_cpu=flags)
+    plain = gdn_recurrent(*tensors, states[1], **b["meta"])
+    expected = gdn_recurrent_ref(*tensors, states[2], **b["meta"])
+    assert calls == [[0, 3, 4, 9]]  # requests 0, 2 and 3 (3, 1 and 5 tokens); the verify keeps every state
+    qsl = host["query_start_loc"]
+    loop_rows, fla_rows = ([t for r in reqs for t in range(qsl[r], qsl[r + 1])] for reqs in ((1, 4), (0, 2, 3)))
+    assert torch.equal(out[loop_rows], plain[loop_rows]) and torch.equal(out[fla_rows], expected[fla_rows])
+    assert torch.equal(states[0][[4, 16, 17]], states[1][[4, 16, 17]])  # the loop's requests' slots
+    assert torch.equal(states[0][[0, 8, 12]], states[2][[0, 8, 12]])  # the chunk kernel's final states
+
+
+def test_the_layer_follows_the_rule_flags_instead_of_the_chunk_length(monkeypatch: pytest.MonkeyPatch) -> None:
+    """layers/gdn.py sends a step to gdn_chunked when a request is flagged (any length) and, with flags, never for a
+    long unflagged chunk; without flags (no rule) by the length rule; fp32 / fp64 models never."""
+    from truespec.layers.gdn import _use_chunked_prefill
+    from truespec.worker.input_builder import ContextRow, build_forward_context
+
+    monkeypatch.setattr(chunked_mod, "is_available", lambda: True)  # as if fla ran here (on CUDA, not capturing)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+
+    def uses_fla(n: int, flag: bool | None, dtype: torch.dtype = torch.bfloat16) -> bool:
+        ctx = build_forward_context([ContextRow([0], 0, n, -1, 0, n - 1, 1, n, flag)], 4096, torch.device("cpu"))
+        return _use_chunked_prefill(torch.zeros(1, dtype=dtype), ctx)
+
+    assert [uses_fla(2000, None), uses_fla(1000, None), uses_fla(2000, False), uses_fla(5, True)] == \
+        [True, False, False, True]
+    assert not uses_fla(5, True, torch.float32) and not uses_fla(2000, None, torch.float64)
+
+
 # ----------------------------------------------------------------------------------------------------- GPU
 needs_fla = pytest.mark.skipif(not is_available(), reason="needs CUDA and fla-core")
 

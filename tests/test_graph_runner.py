@@ -91,6 +91,41 @@ def test_num_prompt_rows_of_each_kind_of_row_and_inert_padding() -> None:
     assert build_step(rows, ids, positions, 8, CPU, pad_to=8, width=13).ctx.num_prompt_rows is None
 
 
+def test_fla_chunk_flags_reach_the_forward_context_and_padding_is_false() -> None:
+    """A GdnPrefillRule's path (ScheduledRequest.gdn_chunked) reaches ForwardContext.gdn_chunked_cpu for a chunk of a
+    long prompt's prompt rows only: not for its rows past the prompt (a re-prefill's outputs), a decode, or a short
+    prompt; padding requests False; without a rule None (the layer's length rule)."""
+    params = SamplingParams(temperature=0)
+
+    def scheduled(start: int, n: int, prompt_len: int, path: bool | None) -> ScheduledRequest:
+        return ScheduledRequest("r", params, start, n, [1] * n, [], None, list(range(-(-(start + n) // 8))), 0, 0, 0,
+                                True, prompt_len, [], path)  # fmt: skip
+
+    step = [scheduled(0, 64, 1100, True),  # a long prompt's first chunk
+            scheduled(1088, 12, 1100, True),  # its 12-token last chunk
+            scheduled(1100, 5, 1100, True),  # its outputs recomputed after preemption
+            scheduled(1200, 1, 1100, True),  # its decode
+            scheduled(0, 300, 500, False)]  # a short prompt's chunk
+    rows, ids, positions = ModelRunner.prepare(step)
+    assert [row.gdn_chunked for row in rows] == [True, True, False, False, False]
+    assert build_step(rows, ids, positions, 8, CPU).ctx.gdn_chunked_cpu == [True, True, False, False, False]
+    padded = build_step(rows, ids, positions, 8, CPU, pad_to=400, width=200).ctx.gdn_chunked_cpu
+    assert padded == [True, True, False, False, False] + [False] * 395
+    rows, ids, positions = ModelRunner.prepare([scheduled(0, 2000, 2000, None)])
+    assert build_step(rows, ids, positions, 8, CPU).ctx.gdn_chunked_cpu is None
+
+
+def test_a_step_with_an_fla_chunk_never_replays_a_graph(tiny_models: dict[str, Path]) -> None:
+    """fla's launch sizes come from the host, so a step with a row for it runs eagerly (its size would fit a graph)."""
+    model = load_model(tiny_models["qwen3"], "float64", CPU).model
+    runner = GraphRunner(model, "target", GraphSettings(block_size=4), CPU, prompt_rows=True)
+    runner.mode, runner.sizes, runner.variants = "FULL", [4, 8], (False, True)  # as if captured on a GPU
+    runner.graphs = {(size, variant): None for size in runner.sizes for variant in runner.variants}
+    rows = [ContextRow([0], 0, 3, -1, 0, 2, 1, 3, gdn_chunked) for gdn_chunked in (None, False, True)]
+    assert [runner._graph_size([row], 3, False, True) for row in rows] == [4, 4, None]
+    assert runner._graph_size(rows[:2], 6, False, True) == 8
+
+
 def test_build_step_unpadded_and_errors() -> None:
     rows = [ContextRow([3, 4, 5], 14, 3, 5, 6, 0, 1)]
     step = build_step(rows, [1, 2, 3], [14, 15, 16], 8, CPU)

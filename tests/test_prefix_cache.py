@@ -199,3 +199,72 @@ def test_a_request_finishing_with_a_model_drafter_caches_only_what_the_drafter_c
         finish_prefill(sched, a)  # 6 tokens in one step: block 0 completed by it, then finished
         cached.append(sched.kv.cache.num_cached_blocks)
     assert cached == [1, 0]
+
+
+# ---- a GdnPrefillRule: long prompts (fla) and short ones (token loop) never share, and hit on fla's grid ----------
+def ruled_scheduler(interval: int = 40) -> Scheduler:
+    from truespec.core.gdn_prefill_rule import GdnPrefillRule
+
+    return Scheduler(manager(num_blocks=160, checkpoints=16, interval=interval), 2, 1000,
+                     gdn_rule=GdnPrefillRule(128))  # long: prompts of 128+ tokens; grid lcm(4, 64) = 64
+
+
+def test_block_keys_root_salts_every_key_and_defaults_to_todays() -> None:
+    from truespec.kv_cache.prefix_cache import ROOT_KEY
+
+    a = list(range(12))
+    assert block_keys(a, BS, 3, root=ROOT_KEY) == block_keys(a, BS, 3)
+    salted = block_keys(a, BS, 3, root=ROOT_KEY + b"fla")
+    assert all(s != k for s, k in zip(salted, block_keys(a, BS, 3), strict=True))
+
+
+def test_long_prompt_checkpoints_sit_on_the_fla_grid_and_its_hits_start_there() -> None:
+    """Interval positions (40, 80, ...) off the 64-grid and the prompt's end aligned to 64 (not to a block): a 200-token
+    prompt runs chunks of 192 and 8 and leaves one checkpoint, at 192, where the same prompt's next turn resumes."""
+    sched = ruled_scheduler()
+    tokens = list(range(1, 201))
+    a = request("a", tokens)
+    sched.add(a)
+    chunks, saves = finish_prefill(sched, a)
+    assert chunks == [192, 8] and len(saves) == 1 and sched.kv.checkpoints.num_checkpoints == 1
+    b = request("b", tokens + [7, 9])
+    sched.add(b)
+    sched.schedule()
+    assert b.num_cached_tokens == 192
+    sched.finish(b, "stop")
+    assert [p for p in range(1, 400) if is_checkpoint_position(p, 200, *sched.prefix._checkpoint_grid(b))] == \
+        [192, 320]
+
+
+def test_long_and_short_prompts_share_no_block_and_no_checkpoint() -> None:
+    """A short prompt's blocks hold the token loop's states, a long one's fla's: each looks up under its own root, so
+    neither hits the other's cache (each would hit at 64 or more with one root), while the same path hits as before."""
+    from truespec.kv_cache.prefix_cache import ROOT_KEY
+
+    sched = ruled_scheduler(interval=64)  # checkpoints every 64 tokens, for long and short prompts alike
+    long_tokens, short_tokens = list(range(1, 201)), list(range(1000, 1100))
+    for name, prompt in (("long", long_tokens), ("short", short_tokens)):  # computed in turn, both cached
+        seq = request(name, prompt)
+        sched.add(seq)
+        finish_prefill(sched, seq)
+    kv = sched.kv
+    assert all(map(kv.cache.contains, block_keys(short_tokens, BS, 25)))  # a short prompt's keys are today's
+    assert all(map(kv.cache.contains, block_keys(long_tokens, BS, 50, root=ROOT_KEY + b"fla")))
+    assert not any(map(kv.cache.contains, block_keys(long_tokens, BS, 50)))
+    cached = {}
+    for name, prompt in (("short_after_long", long_tokens[:100] + [3]), ("long_after_short", short_tokens + [3] * 60),
+                         ("short_after_short", short_tokens + [3]), ("long_after_long", long_tokens + [3])):
+        seq = cached[name] = request(name, prompt)
+        sched.add(seq)
+        sched.schedule()
+        sched.finish(seq, "abort")
+    assert {name: seq.num_cached_tokens for name, seq in cached.items()} == \
+        {"short_after_long": 0, "long_after_short": 0, "short_after_short": 100, "long_after_long": 192}
+
+
+def test_without_a_rule_long_prompts_key_and_checkpoint_as_before() -> None:
+    sched = Scheduler(manager(num_blocks=160, checkpoints=8, interval=8), 2, 1000)
+    a = request("a", list(range(1, 201)))
+    sched.add(a)
+    chunks, _ = finish_prefill(sched, a)
+    assert chunks == [8] * 24 + [4, 4] and all(map(sched.kv.cache.contains, block_keys(a.prompt_token_ids, BS, 50)))

@@ -1,6 +1,7 @@
 """Scheduler and KV-cache accounting: plain Python, no model, no tensors (invariants 1 and 6)."""
 
 from truespec.core.scheduler import Scheduler
+from truespec.core.scheduler_output import SchedulerOutput
 from truespec.core.sequence import Sequence, SequenceStatus
 from truespec.kv_cache.manager import KVCacheManager
 from truespec.sampling_params import SamplingParams
@@ -180,3 +181,93 @@ def test_long_prefill_token_threshold_is_validated() -> None:
     for bad in (-1, 1.5, True, "2048"):
         with pytest.raises(ValueError, match="long_prefill_token_threshold"):
             EngineConfig(model="m", long_prefill_token_threshold=bad)
+
+
+# ---- a GdnPrefillRule: long prompts' chunks cut on fla's 64-token grid (core/gdn_prefill_rule.py) ----------------
+def make_ruled(budget: int, threshold: int | None = None, ruled: bool = True) -> Scheduler:
+    from truespec.core.gdn_prefill_rule import GdnPrefillRule
+
+    rule = GdnPrefillRule(1024) if ruled else None
+    return Scheduler(KVCacheManager(2048, 4, 4, 1), 4, budget, 0, long_prefill_token_threshold=threshold,
+                     gdn_rule=rule)
+
+
+def chunk_ends(sched: Scheduler, seqs: list[Sequence], max_steps: int = 500) -> dict[str, list[int]]:
+    """Run the scheduler until every request has its first token; per request, where each of its chunks ended."""
+    for s in seqs:
+        sched.add(s)
+    ends: dict[str, list[int]] = {s.request_id: [] for s in seqs}
+    for _ in range(max_steps):
+        if all(s.output_token_ids for s in seqs):
+            return ends
+        out = sched.schedule()
+        for r in out.scheduled:
+            if r.num_computed_tokens < r.prompt_len:
+                ends[r.request_id].append(r.num_computed_tokens + r.num_new_tokens)
+        run_step_outputs(sched, out)
+    raise AssertionError("the prefills never finished")
+
+
+def run_step_outputs(sched: Scheduler, out: SchedulerOutput) -> None:
+    seqs = {s.request_id: s for s in sched.running}
+    for r in out.scheduled:
+        seqs[r.request_id].num_computed_tokens += r.num_new_tokens
+        if r.is_last_chunk:
+            seqs[r.request_id].output_token_ids.append(7)
+
+
+def test_long_prompt_chunks_end_on_multiples_of_64_or_at_the_prompt_end() -> None:
+    for budget, threshold in [(100, None), (1000, None), (8192, None), (1000, 128), (1000, 37), (300, 0)]:
+        sched = make_ruled(budget, threshold)
+        seqs = [seq("long", 1100), seq("short", 700), seq("long2", 2500)]
+        ends = chunk_ends(sched, seqs)
+        for name, prompt_len in (("long", 1100), ("long2", 2500)):
+            assert ends[name][-1] == prompt_len, (budget, threshold, ends)
+            assert all(end % 64 == 0 for end in ends[name][:-1]), (budget, threshold, ends)
+            assert ends[name] == sorted(ends[name])
+    # a cap under 64 still lets a long prompt progress by one aligned chunk a step
+    assert chunk_ends(make_ruled(1000, 37), [seq("long", 1100)])["long"][:2] == [64, 128]
+
+
+def test_short_prompts_schedule_as_without_a_rule() -> None:
+    """The rule changes only long requests' chunks: short ones (and, with no rule, long ones) are cut as before."""
+    def workload() -> list[Sequence]:
+        return [seq("a", 700), seq("b", 1023), seq("c", 5)]
+
+    for budget, threshold in [(100, None), (300, 128), (1000, None)]:
+        assert chunk_ends(make_ruled(budget, threshold), workload()) == \
+            chunk_ends(make_ruled(budget, threshold, ruled=False), workload())
+    assert chunk_ends(make_ruled(100, ruled=False), [seq("long", 1100)])["long"][:2] == [100, 200]  # no rule: today's
+
+
+def test_a_waiting_long_prompt_waits_when_less_than_64_tokens_of_budget_are_left() -> None:
+    sched = make_ruled(100)
+    sched.add(seq("short", 63))
+    sched.add(seq("long", 1100))
+    assert run_step(sched) == [("short", 63)]  # 37 tokens left: no aligned chunk fits, "long" waits
+    assert [s.request_id for s in sched.waiting] == ["long"]
+    assert run_step(sched) == [("short", 1), ("long", 64)]  # 99 left: one 64-token chunk
+
+
+def test_a_long_re_prefill_after_preemption_is_cut_at_the_prompt_end() -> None:
+    """The prompt part runs fla and the recomputed outputs the token loop (as they were decoded): one chunk each, and
+    the drafts ride on the second (test_model_runner.py: only the first is flagged for fla)."""
+    sched = make_ruled(8192)
+    a = seq("a", 1100)
+    chunk_ends(sched, [a])
+    a.output_token_ids += [8, 9, 10, 11]  # 5 outputs in all
+    sched.preempt(a)
+    a.draft_token_ids = [12, 13]
+    first = sched.schedule().scheduled[0]
+    assert (first.num_computed_tokens, first.num_scheduled_tokens, first.draft_token_ids) == (0, 1100, [])
+    assert first.gdn_chunked
+    a.num_computed_tokens = 1100
+    second = sched.schedule().scheduled[0]
+    assert (second.num_computed_tokens, second.num_new_tokens, second.draft_token_ids) == (1100, 5, [12, 13])
+    assert second.gdn_chunked
+    short = make_ruled(8192)
+    chunk_ends(short, [b := seq("b", 500)])
+    assert short.schedule().scheduled[0].gdn_chunked is False and b.output_token_ids == [7]
+    none = make_ruled(8192, ruled=False)
+    chunk_ends(none, [seq("c", 1100)])
+    assert none.schedule().scheduled[0].gdn_chunked is None  # no rule: the layer decides by chunk length

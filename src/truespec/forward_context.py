@@ -43,6 +43,10 @@ class ForwardContext:
     # CUDA attention computes with the prefill kernel (kernels/step_attention.py); padding requests 0. None: no row of
     # the step is a prompt row (decodes, verifies, drafters' steps), so no prefill kernel runs.
     num_prompt_rows: torch.Tensor | None = None
+    # [num_reqs] on the host, padding False: request r's GDN recurrence runs fla's chunk kernel (a long prompt's
+    # chunk under a GdnPrefillRule, core/gdn_prefill_rule.py) or the token loop; None: no rule, the layer sends
+    # chunks of at least kernels/gdn_chunked.MIN_CHUNK_LEN tokens to fla
+    gdn_chunked_cpu: list[bool] | None = None
     # every row of this (eager, unpadded) step is a prompt row: the split-KV kernel need not launch at all
     is_prompt_only: bool = False
     # What the CPU path's layers derive from the metadata once per forward and share (ops/gdn_batched.StepRows);

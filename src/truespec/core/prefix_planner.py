@@ -17,19 +17,28 @@ that end at state checkpoints, and the state copies a step carries.
 - **Chunks**: on a hybrid model a prefill chunk never runs past the next checkpoint position, so every prompt leaves
   its checkpoints behind.
 
+- **GDN prefill path** (a ``GdnPrefillRule``, core/gdn_prefill_rule.py): a long prompt's blocks are keyed under a
+  root of their own (fla computed their GDN states, the token loop a short prompt's) and its checkpoints sit only at
+  multiples of ``lcm(block_size, alignment)``, so its cache hits start where its chunks may be cut.
+
 Saves, then restores, run on the device at the start of the next step that runs, before its forward (outside any
 CUDA graph: ``SchedulerOutput.state_saves`` / ``state_restores``), so nothing overwrites a slot before it is copied.
 A step whose progress the host never sees (a verify queued ahead, engine/async_scheduler.py) saves nothing.
 """
 
+import math
+
+from truespec.core.gdn_prefill_rule import GdnPrefillRule
 from truespec.core.sequence import PLACEHOLDER, Sequence
 from truespec.kv_cache.manager import NO_HIT, KVCacheManager, PrefixHit
+from truespec.kv_cache.prefix_cache import ROOT_KEY, BlockKey
 from truespec.kv_cache.state_checkpoints import is_checkpoint_position, next_checkpoint_position
 
 
 class PrefixPlanner:
-    def __init__(self, kv: KVCacheManager) -> None:
+    def __init__(self, kv: KVCacheManager, gdn_rule: GdnPrefillRule | None = None) -> None:
         self.kv = kv
+        self.gdn_rule = gdn_rule
         self.is_enabled = kv.prefix is not None
         self.needs_checkpoints = self.is_enabled and kv.prefix.needs_checkpoints
         self._steps: dict[str, tuple[int, int, int]] = {}  # request -> (start, new tokens, first slot) of its step
@@ -40,7 +49,7 @@ class PrefixPlanner:
         """A request with prompt logprobs computes every prompt position (its logits give them), as in vLLM."""
         if not self.is_enabled or seq.params.prompt_logprobs is not None:
             return NO_HIT
-        return self.kv.find_prefix(seq.request_id, seq.token_slice(0, _num_known_tokens(seq)))
+        return self.kv.find_prefix(seq.request_id, seq.token_slice(0, _num_known_tokens(seq)), self._key_root(seq))
 
     def take(self, seq: Sequence, hit: PrefixHit, restores: list[tuple[int, int]]) -> None:
         """``seq`` (admitted, its state group allocated) starts after ``hit``. Counted once per request."""
@@ -57,8 +66,8 @@ class PrefixPlanner:
         """The most tokens ``seq``'s next chunk may compute (up to the next checkpoint position); None: no limit."""
         if not self.needs_checkpoints:
             return None
-        start, prefix = seq.num_computed_tokens, self.kv.prefix
-        return next_checkpoint_position(start, seq.prompt_len, prefix.checkpoint_interval, self.kv.block_size) - start
+        start = seq.num_computed_tokens
+        return next_checkpoint_position(start, seq.prompt_len, *self._checkpoint_grid(seq)) - start
 
     def scheduled(self, seq: Sequence, num_new_tokens: int, first_state_slot: int) -> None:
         if self.is_enabled:
@@ -80,16 +89,32 @@ class PrefixPlanner:
         computed = min(computed, seq.prompt_len)  # only prompt positions are shared (module docstring)
         known = _num_known_tokens(seq)
         if min(computed, known - kv.prefix.extra_tokens) // bs > kv.num_cached_blocks_of(request_id):
-            kv.cache_blocks(request_id, seq.token_slice(0, known), computed)
+            kv.cache_blocks(request_id, seq.token_slice(0, known), computed, self._key_root(seq))
         if step is None or not self.needs_checkpoints:
             return
         start, num_new, first_slot = step
-        interval = kv.prefix.checkpoint_interval
+        grid = self._checkpoint_grid(seq)
         for position in range(-(-(start + num_new) // bs) * bs, computed + 1, bs):
-            if is_checkpoint_position(position, seq.prompt_len, interval, bs):
+            if is_checkpoint_position(position, seq.prompt_len, *grid):
                 slot = kv.add_checkpoint(request_id, position)
                 if slot is not None:
                     self._saves.append((first_slot + position - start - num_new, slot))
+
+    def _is_long(self, seq: Sequence) -> bool:
+        return self.gdn_rule is not None and self.gdn_rule.is_long(seq.prompt_len)
+
+    def _key_root(self, seq: Sequence) -> BlockKey:
+        """The root of ``seq``'s chained block keys: a long prompt's (fla's GDN states) apart from a short one's."""
+        return ROOT_KEY + b"fla" if self._is_long(seq) else ROOT_KEY
+
+    def _checkpoint_grid(self, seq: Sequence) -> tuple[int, int]:
+        """(interval, alignment) of ``seq``'s checkpoint positions: block multiples, for a long prompt multiples of
+        ``GdnPrefillRule.checkpoint_grid`` (interval positions off that grid are skipped)."""
+        interval, bs = self.kv.prefix.checkpoint_interval, self.kv.block_size
+        if not self._is_long(seq):
+            return interval, bs
+        grid = self.gdn_rule.checkpoint_grid(bs)
+        return math.lcm(interval, grid), grid
 
     def take_saves(self) -> list[tuple[int, int]]:
         saves, self._saves = self._saves, []

@@ -17,11 +17,16 @@ prompt tokens (on an H100, 8,192-token chunks of a 32K prompt held 8 decoding re
 ``long_prefill_token_threshold`` (vLLM's setting) caps the prompt tokens one request computes in a step: a positive
 value always; 0 never; None (the default) caps at ``AUTO_LONG_PREFILL_TOKENS`` only while some running request is
 decoding, so a prompt alone still gets the whole budget.
+
+With a ``GdnPrefillRule`` (core/gdn_prefill_rule.py: fla runs the GDN prefill of long prompts), a long request's
+chunks that end inside its prompt end at multiples of the rule's alignment, and no chunk crosses its prompt's end:
+fla's results then do not depend on how the prompt was cut.
 """
 
 import time
 from collections import deque
 
+from truespec.core.gdn_prefill_rule import GdnPrefillRule
 from truespec.core.prefix_planner import PrefixPlanner
 from truespec.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from truespec.core.sequence import PLACEHOLDER, Sequence, SequenceStatus, token_slice
@@ -34,7 +39,8 @@ AUTO_LONG_PREFILL_TOKENS = 2048
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 num_lookahead_tokens: int = 0, long_prefill_token_threshold: int | None = None) -> None:
+                 num_lookahead_tokens: int = 0, long_prefill_token_threshold: int | None = None,
+                 gdn_rule: GdnPrefillRule | None = None) -> None:
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -45,7 +51,8 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0  # total since start, for tests and metrics
         self._finished_ids: list[str] = []  # reported in the next SchedulerOutput
-        self.prefix = PrefixPlanner(kv)
+        self.gdn_rule = gdn_rule
+        self.prefix = PrefixPlanner(kv, gdn_rule)
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -100,7 +107,8 @@ class Scheduler:
             ids, block_ids = [PLACEHOLDER] * (1 + num_drafts), kv.allocate(seq.request_id, hold)
             out.scheduled.append(ScheduledRequest(
                 seq.request_id, seq.params, start, 1 + num_drafts, ids, ids[1:], None, block_ids,
-                kv.first_state_slot(seq.request_id), 0, len(seq.output_token_ids) + 1, True, seq.prompt_len))
+                kv.first_state_slot(seq.request_id), 0, len(seq.output_token_ids) + 1, True, seq.prompt_len,
+                gdn_chunked=self._gdn_chunked(seq)))
         out.finished_req_ids, self._finished_ids = self._finished_ids, []
         out.state_saves = self.prefix.take_saves()
         return out
@@ -115,12 +123,25 @@ class Scheduler:
         Drafts ride on a request's last chunk (a decode, or the end of a re-prefill after preemption) and
         are cut only by limits of the request itself, never by the rest of the batch: so a request verifies
         the same drafts alone or in any batch, and its seeded random draws stay batch invariant. On a hybrid model
-        with prefix caching a chunk ends at the next state checkpoint position at the latest."""
+        with prefix caching a chunk ends at the next state checkpoint position at the latest. A long request under
+        a ``GdnPrefillRule`` cuts its chunk by the rule (module docstring); a cut chunk's drafts wait."""
+        is_long = self.gdn_rule is not None and self.gdn_rule.is_long(seq.prompt_len)
+        plan = self._plan_tokens(seq, budget, is_long)
+        if plan is None or not is_long:
+            return plan
+        n, drafts = plan
+        cut = self.gdn_rule.chunk_len(seq.num_computed_tokens, n, seq.prompt_len)
+        if cut <= 0:
+            return None
+        return (n, drafts) if cut == n else (cut, [])
+
+    def _plan_tokens(self, seq: Sequence, budget: int, is_long: bool) -> tuple[int, list[int]] | None:
         remaining = seq.num_uncomputed_tokens
         drafts = seq.draft_token_ids[:self.max_drafts(seq)]
         limit = self.prefix.chunk_limit(seq) if remaining > 1 else None
         if self._prefill_cap is not None and remaining > 1:
-            limit = min(limit or self._prefill_cap, self._prefill_cap)
+            cap = self.gdn_rule.prefill_cap(self._prefill_cap) if is_long else self._prefill_cap
+            limit = min(limit or cap, cap)
         if remaining + len(drafts) <= budget and (limit is None or remaining <= limit):
             return remaining, drafts
         if remaining > 1:
@@ -157,7 +178,12 @@ class Scheduler:
         return ScheduledRequest(  # positional, in field order: this runs for every request of every step
             request_id, seq.params, start, n + len(drafts), token_ids, drafts, seq.draft_probs if drafts else None,
             block_ids, self.kv.first_state_slot(request_id), seq.state_index, len(seq.output_token_ids),
-            start + n == seq.num_tokens, seq.prompt_len, seq.prompt_logprobs_due(start, start + n))
+            start + n == seq.num_tokens, seq.prompt_len, seq.prompt_logprobs_due(start, start + n),
+            self._gdn_chunked(seq))
+
+    def _gdn_chunked(self, seq: Sequence) -> bool | None:
+        """Whether the request's prompt chunks run fla's chunk kernel (None: no rule, the layer decides by length)."""
+        return None if self.gdn_rule is None else self.gdn_rule.is_long(seq.prompt_len)
 
     def _make_room(self, seq: Sequence, num_tokens: int, out: SchedulerOutput) -> bool:
         while not self.kv.can_allocate(seq.request_id, num_tokens):

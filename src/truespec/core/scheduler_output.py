@@ -31,6 +31,9 @@ class ScheduledRequest:
     # SamplingParams.prompt_logprobs: the prompt tokens whose logprobs this step gives, each from the query row
     # before it (``prompt_logprobs_rows``); [] when not asked, or all given already
     prompt_logprob_token_ids: list[int] = field(default_factory=list)
+    # a GdnPrefillRule's path (core/gdn_prefill_rule.py): True, a long prompt whose chunks of prompt rows only run fla's
+    # chunk kernel in the GDN layers; False, the token loop for every row; None, no rule (the layer decides by length)
+    gdn_chunked: bool | None = None
 
     @property
     def num_new_tokens(self) -> int:

@@ -7,6 +7,7 @@ from collections.abc import Callable
 import torch
 
 from truespec.config import EngineConfig
+from truespec.core.gdn_prefill_rule import GdnPrefillRule
 from truespec.core.scheduler import Scheduler
 from truespec.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from truespec.core.sequence import PLACEHOLDER, Sequence
@@ -20,6 +21,7 @@ from truespec.kv_cache.config import CacheConfig
 from truespec.kv_cache.layout import set_sparse_v
 from truespec.kv_cache.manager import KVCacheManager
 from truespec.kv_cache.sizing import checkpoint_share, num_kv_blocks, prefix_settings, resolve_max_model_len
+from truespec.layers.gdn import chunked_prefill_min_len
 from truespec.layers.linear import set_batch_invariant
 from truespec.models.loader import load_model
 from truespec.outputs import RequestOutput
@@ -88,11 +90,15 @@ class LLMEngine:
             capture_sizes=config.compilation_config.capture_sizes(config.max_num_batched_tokens + n * k),
             max_blocks_per_req=-(-(self.max_model_len + k + 1) // cache.block_size))
         self.runner.init_graphs(graphs)
+        # fla runs the GDN prefill of long prompts (bf16 / fp16 on CUDA): their chunks are cut where its bits agree
+        self.gdn_rule = GdnPrefillRule.create(chunked_prefill_min_len(loaded.model, self.device),
+                                              config.max_num_batched_tokens)
         self.scheduler = Scheduler(self.kv, n, config.max_num_batched_tokens, num_lookahead_tokens(spec),
-                                   config.long_prefill_token_threshold)
+                                   config.long_prefill_token_threshold, self.gdn_rule)
         self.proposer = make_proposer(spec, drafter, num_blocks, self.kv.num_state_slots, self.device, config.seed,
                                       graphs, self.hf_config.hidden_size, cache.kv_cache_dtype)
-        self.runner.graphs.warm_up(config.max_num_batched_tokens, num_blocks)  # compile now, not in a first prompt
+        self.runner.graphs.warm_up(config.max_num_batched_tokens, num_blocks,  # compile now, not in a first prompt
+                                   gdn_chunked=self.gdn_rule is not None)
         if isinstance(self.proposer, ModelDrafter):
             self.proposer.graphs.warm_up(config.max_num_batched_tokens, num_blocks)
         self.spec_metrics = SpecDecodeMetrics(k)

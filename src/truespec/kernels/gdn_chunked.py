@@ -8,6 +8,10 @@ least ``MIN_CHUNK_LEN`` tokens that keeps only its final state (``state_write_st
 state at all: ``state_dst == -1``). Every other request (decodes, 1+k verifies that keep a state per position,
 short chunks) runs through ``gdn_recurrent`` unchanged, so invariant 2 holds exactly as there.
 
+With ``is_chunked_cpu`` (per request, from a GdnPrefillRule: core/gdn_prefill_rule.py) the caller names the
+requests for the chunk kernel instead, whatever their length (each must still keep only its final state): a long
+prompt's chunks all take fla, so its states do not depend on where its prompt was cut.
+
 Eager only: the split is decided on the host from host copies of the metadata and the fla launch sizes depend
 on it, so the caller uses ``gdn_recurrent`` in captured CUDA graphs (called during a capture, this function
 does exactly that).
@@ -64,16 +68,19 @@ class RequestSplit:
 
 
 def split_requests(
-    query_start_loc: list[int], state_dst: list[int], state_write_start: list[int], min_chunk_len: float
+    query_start_loc: list[int], state_dst: list[int], state_write_start: list[int], min_chunk_len: float,
+    is_chunked: list[bool] | None = None,
 ) -> RequestSplit:
-    """Which requests the chunk kernel runs: query_len >= min_chunk_len and no state kept but the last."""
+    """Which requests the chunk kernel runs: those ``is_chunked`` names (when given; else query_len >=
+    min_chunk_len) that keep no state but the last. ``min_chunk_len`` inf: none (the kernel cannot run)."""
     chunked, recurrent = [], []
     for r, (dst, write_start) in enumerate(zip(state_dst, state_write_start, strict=True)):
         query_len = query_start_loc[r + 1] - query_start_loc[r]
         if query_len == 0:
             continue
         keeps_final_only = dst < 0 or write_start >= query_len - 1
-        (chunked if query_len >= min_chunk_len and keeps_final_only else recurrent).append(r)
+        wanted = query_len >= min_chunk_len if is_chunked is None else is_chunked[r] and min_chunk_len < float("inf")
+        (chunked if wanted and keeps_final_only else recurrent).append(r)
     return RequestSplit(chunked, recurrent)
 
 
@@ -119,10 +126,12 @@ def gdn_chunked(
     state_dst_cpu: list[int] | None = None,
     state_write_start_cpu: list[int] | None = None,
     min_chunk_len: int = MIN_CHUNK_LEN,
+    is_chunked_cpu: list[bool] | None = None,
 ) -> torch.Tensor:
     """``gdn_recurrent`` given g, beta tensors (same arguments, same effect on ``ssm_state``, o [T, HV, DV])
-    with long prefill chunks through fla's chunk kernel. The ``*_cpu`` lists are host copies of the metadata
-    (read back with one sync when omitted). All initial states are read before any slot is written.
+    with long prefill chunks (or the requests ``is_chunked_cpu`` names) through fla's chunk kernel. The ``*_cpu``
+    lists are host copies of the metadata (read back with one sync when omitted). All initial states are read
+    before any slot is written.
     """
     meta = (query_start_loc, state_src, state_dst, state_write_start)
     if ssm_state.is_cuda and torch.cuda.is_current_stream_capturing():  # host reads cannot be captured
@@ -133,7 +142,8 @@ def gdn_chunked(
     kernel = _chunk_kernel()
     usable = kernel is not None and ssm_state.dtype == torch.float32 and q.shape[-1] <= MAX_HEAD_K_DIM
     qsl = slots.query_start_loc
-    split = split_requests(qsl, slots.state_dst, slots.state_write_start, min_chunk_len if usable else float("inf"))
+    split = split_requests(qsl, slots.state_dst, slots.state_write_start, min_chunk_len if usable else float("inf"),
+                           is_chunked_cpu)
     if not split.chunked:
         return gdn_recurrent(q, k, v, g, beta, ssm_state, *meta, scale, use_qk_l2norm)
     initial = gather_states(ssm_state, [slots.state_src[r] for r in split.chunked])  # reads before any write

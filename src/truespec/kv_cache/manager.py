@@ -16,7 +16,7 @@ slots after the groups'). Cached blocks no request uses count as free (``num_fre
 from dataclasses import dataclass
 
 from truespec.kv_cache.block_pool import BlockPool
-from truespec.kv_cache.prefix_cache import BlockKey, PrefixCache, block_keys
+from truespec.kv_cache.prefix_cache import ROOT_KEY, BlockKey, PrefixCache, block_keys
 from truespec.kv_cache.state_checkpoints import StateCheckpoints
 
 
@@ -89,12 +89,13 @@ class KVCacheManager:
         return table
 
     # ---- prefix caching --------------------------------------------------------------------------
-    def find_prefix(self, request_id: str, token_ids: list[int]) -> PrefixHit:
+    def find_prefix(self, request_id: str, token_ids: list[int], root: BlockKey = ROOT_KEY) -> PrefixHit:
         """The longest cached prefix a new request with ``token_ids`` can start from (always leaving it at least one
-        token to compute, so no shared block is ever written; with recurrent state, ending at a checkpoint)."""
+        token to compute, so no shared block is ever written; with recurrent state, ending at a checkpoint). ``root``:
+        its block keys' root (requests under different roots share nothing)."""
         if self.cache is None:
             return NO_HIT
-        keys = self._keys_of(request_id, token_ids, (len(token_ids) - 1) // self.block_size)
+        keys = self._keys_of(request_id, token_ids, (len(token_ids) - 1) // self.block_size, root)
         blocks = self.cache.match(keys)
         slot = None
         if self.prefix.needs_checkpoints:
@@ -115,7 +116,7 @@ class KVCacheManager:
         self._block_tables[request_id] = list(hit.block_ids)
         self._num_cached[request_id] = len(hit.block_ids)
 
-    def cache_blocks(self, request_id: str, token_ids: list[int], num_computed: int) -> None:
+    def cache_blocks(self, request_id: str, token_ids: list[int], num_computed: int, root: BlockKey = ROOT_KEY) -> None:
         """Cache the request's blocks whose positions are all computed (and whose key's tokens are known: the
         caller leaves out unknown ones)."""
         if self.cache is None:
@@ -124,7 +125,7 @@ class KVCacheManager:
         done = self._num_cached.get(request_id, 0)
         if num_full <= done:
             return
-        keys = self._keys_of(request_id, token_ids, num_full)
+        keys = self._keys_of(request_id, token_ids, num_full, root)
         table = self._block_tables[request_id]
         for b in range(done, num_full):
             self.cache.insert(keys[b], table[b])
@@ -152,12 +153,12 @@ class KVCacheManager:
         self.checkpoints.clear()
         return True
 
-    def _keys_of(self, request_id: str, token_ids: list[int], num_blocks: int) -> list[BlockKey]:
+    def _keys_of(self, request_id: str, token_ids: list[int], num_blocks: int, root: BlockKey) -> list[BlockKey]:
         num_blocks = min(num_blocks, (len(token_ids) - self.prefix.extra_tokens) // self.block_size)
         keys = self._keys.get(request_id, [])
         if len(keys) < num_blocks:
             keys = self._keys[request_id] = block_keys(token_ids, self.block_size, num_blocks,
-                                                       self.prefix.extra_tokens, keys)
+                                                       self.prefix.extra_tokens, keys, root)
         return keys[:num_blocks]
 
     # ---- recurrent-state groups -----------------------------------------------------------------

@@ -19,18 +19,20 @@ from collections.abc import Callable
 from truespec.kv_cache.block_pool import BlockPool
 
 BlockKey = bytes
+ROOT_KEY: BlockKey = b"truespec-prefix-root"  # block 0's parent; a caller salts it to keep requests apart
 
 
 def block_keys(token_ids: list[int], block_size: int, num_blocks: int, extra_tokens: int = 0,
-               parent_keys: list[BlockKey] | None = None) -> list[BlockKey]:
+               parent_keys: list[BlockKey] | None = None, root: BlockKey = ROOT_KEY) -> list[BlockKey]:
     """The chained keys of the first ``num_blocks`` blocks of ``token_ids`` (each needs ``extra_tokens`` ids past its
-    end). ``parent_keys``: keys already computed for a prefix of them (extended, not recomputed)."""
+    end), block 0's chained to ``root``. ``parent_keys``: keys already computed for a prefix of them (extended, not
+    recomputed)."""
     keys = list(parent_keys or [])
     for b in range(len(keys), num_blocks):
         tokens = token_ids[b * block_size:(b + 1) * block_size + extra_tokens]
         if len(tokens) != block_size + extra_tokens:
             raise ValueError(f"block {b} needs {block_size + extra_tokens} token ids, got {len(tokens)}")
-        h = hashlib.sha256(keys[-1] if keys else b"truespec-prefix-root")
+        h = hashlib.sha256(keys[-1] if keys else root)
         h.update(array("q", tokens).tobytes())  # 8 bytes per id (keys are compared within one process)
         keys.append(h.digest())
     return keys

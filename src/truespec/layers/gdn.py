@@ -23,15 +23,32 @@ from truespec.ops.precision import compute_dtype
 from truespec.ops.state_slots import StateSlots
 
 
+def chunked_prefill_min_len(model: nn.Module, device: torch.device) -> int | None:
+    """The chunk length from which GDN prefill runs fla's chunk kernel in ``model`` on ``device`` (kernels/
+    gdn_chunked.MIN_CHUNK_LEN), or None where it never does: no GDN layer, not the Triton kernels on CUDA, not a
+    bf16 / fp16 model, fla not importable, or a head_k_dim fla cannot take. The engine's GdnPrefillRule follows."""
+    layers = model.gdn_layers()
+    probe = torch.empty(0, dtype=model.dtype, device=device)
+    if not layers or not use_kernels(probe) or model.dtype not in (torch.bfloat16, torch.float16):
+        return None
+    chunked = kernels().gdn_chunked
+    if not chunked.is_available() or any(layer.head_k_dim > chunked.MAX_HEAD_K_DIM for layer in layers):
+        return None
+    return chunked.MIN_CHUNK_LEN
+
+
 def _use_chunked_prefill(x: torch.Tensor, ctx: ForwardContext) -> bool:
     """Whether an eager step's long prefill chunks go through fla's chunk kernel (kernels/gdn_chunked.py): only
     with fla installed, for bf16 / fp16 models (fla's matrix products run in TF32, so fp32 and fp64 models, the
     ones exactness checks use, keep the token loop), never while a CUDA graph is being captured, and only when a
-    request's chunk is long enough to gain (the engine splits prompts into chunks of max_num_batched_tokens)."""
+    request asks for it (``ctx.gdn_chunked_cpu``, a GdnPrefillRule's path) or, without such flags, when a request's
+    chunk is long enough to gain (the engine splits prompts into chunks of max_num_batched_tokens)."""
     if x.dtype not in (torch.bfloat16, torch.float16) or ctx.state_cpu is None:
         return False
     chunked = kernels().gdn_chunked  # the module: its threshold, and whether fla can run here
-    if ctx.max_query_len < chunked.MIN_CHUNK_LEN or not chunked.is_available():
+    flags = ctx.gdn_chunked_cpu
+    wanted = any(flags) if flags is not None else ctx.max_query_len >= chunked.MIN_CHUNK_LEN
+    if not wanted or not chunked.is_available():
         return False
     return not torch.cuda.is_current_stream_capturing()
 
@@ -123,6 +140,7 @@ class GatedDeltaNet(nn.Module):
             core = k_ops.gdn_chunked.gdn_chunked(
                 q, k, v, g, beta, self.ssm_state, *meta, query_start_loc_cpu=ctx.query_start_loc_cpu,
                 state_src_cpu=src, state_dst_cpu=dst, state_write_start_cpu=write_start,
+                is_chunked_cpu=ctx.gdn_chunked_cpu,
             )  # fmt: skip
         else:  # the gates are computed inside the recurrent kernel (bitwise as gdn_gating): one launch fewer
             gates = k_ops.GateInputs(a, b, self.A_log, self.dt_bias)

@@ -19,7 +19,8 @@ chunk, and the prompt part of a re-prefill) run their attention's prompt rows in
 mode captures two graphs per size, one with the prefill launch and one without, and a step replays the one its rows
 ask for (whether any row has prompt rows is a dispatch key, like the size; the counts themselves live in the static
 buffer). FULL_DECODE_ONLY captures only the graphs without, so a step with prompt rows runs eagerly. A drafter's
-rows all run split-KV, the target's rows it catches up on included (``prompt_rows=False``).
+rows all run split-KV, the target's rows it catches up on included (``prompt_rows=False``). A step with a row whose
+GDN recurrence runs fla's chunk kernel (``ContextRow.gdn_chunked``: its launch sizes come from the host) runs eagerly.
 The layers' backend says whether it can run inside a graph at all (layers/backend.py); if not, nothing is
 captured and the log says why. Larger steps run eagerly; ``stats`` counts both kinds.
 """
@@ -120,20 +121,21 @@ class GraphRunner:
 
     # ---- warm-up -------------------------------------------------------------------------------
     @torch.inference_mode()
-    def warm_up(self, max_num_tokens: int, num_blocks: int) -> None:
+    def warm_up(self, max_num_tokens: int, num_blocks: int, gdn_chunked: bool = False) -> None:
         """Run eager forwards of one request at the row counts whose kernels nothing else compiles (on CUDA):
         the largest step (``max_num_tokens`` rows, and one fewer: Triton specialises integer arguments on
         divisibility by 16) and one row count per matmul tile, so no user's long prompt waits for a Triton compile or
-        an fla autotune. Writes KV into blocks 0.. and no recurrent state (slot -1): nothing a request reads before
+        an fla autotune. ``gdn_chunked`` (a GdnPrefillRule is in force): each row count through the token loop and
+        through fla. Writes KV into blocks 0.. and no recurrent state (slot -1): nothing a request reads before
         writing it itself."""
         if self.device.type != "cuda":
             return
         max_num_tokens = min(max_num_tokens, num_blocks * self.block_size)
         sizes = sorted({n for n in (1, 16, 17, 65, 513, max_num_tokens - 1, max_num_tokens) if 0 < n <= max_num_tokens})
         with torch.cuda.device(self.device):
-            for n in sizes:
+            for n, path in ((n, path) for n in sizes for path in ((False, True) if gdn_chunked else (None,))):
                 row = ContextRow(list(range(-(-n // self.block_size))), 0, n, -1, -1, n - 1, 1,
-                                 n if self.prompt_rows else 0)  # a prompt: the target's prefill kernel compiles
+                                 n if self.prompt_rows else 0, path)  # a prompt: the target's prefill kernel compiles
                 inputs = build_step([row], [0] * n, list(range(n)), self.block_size, self.device)
                 hidden = (torch.zeros(n, self.hidden_size, dtype=self.hidden_dtype, device=self.device)
                           if self.uses_hidden else None)
@@ -153,7 +155,7 @@ class GraphRunner:
         num_tokens = len(input_ids)
         # a drafter reading the target's rows (draft_on_device) runs them all split-KV, prompt rows or not
         has_prompt_rows = self.prompt_rows and any(row.num_prompt_rows for row in rows)
-        size = self._graph_size(num_tokens, decode_only, has_prompt_rows)
+        size = self._graph_size(rows, num_tokens, decode_only, has_prompt_rows)
         if size is None:
             self.stats["eager"] += 1
             inputs = build_step(rows, input_ids, positions, self.block_size, self.device)
@@ -183,8 +185,12 @@ class GraphRunner:
         if shift is not None:
             shift_positions(inputs, shift, num_tokens, num_reqs, self.block_size)
 
-    def _graph_size(self, num_tokens: int, decode_only: bool, has_prompt_rows: bool) -> int | None:
+    def _graph_size(self, rows: list[ContextRow], num_tokens: int, decode_only: bool,
+                    has_prompt_rows: bool) -> int | None:
+        """The capture size whose graph runs the step; None: eager."""
         if not self.graphs or (self.mode == "FULL_DECODE_ONLY" and not decode_only):
+            return None
+        if any(row.gdn_chunked for row in rows):  # fla's launch sizes come from the host: never captured
             return None
         if has_prompt_rows not in self.variants:  # FULL_DECODE_ONLY: a 1-token last prompt chunk runs eagerly
             return None

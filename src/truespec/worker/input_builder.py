@@ -3,7 +3,7 @@
 All int64 step data (token ids, positions and every metadata tensor) is packed into one host buffer and reaches
 the device in one copy. With ``pad_to`` (a CUDA graph's capture size) the layout is fixed for that size and the
 rows past the real ones are inert: token id 0 at position 0, KV slot -1 (never written), zero-length requests
-with state slots -1 (no state read or written) and no prompt rows, block tables -1.
+with state slots -1 (no state read or written), no prompt rows and no fla chunk, block tables -1.
 """
 
 from dataclasses import dataclass
@@ -29,6 +29,9 @@ class ContextRow:
     # leading query tokens at prompt positions: clamp(prompt_len - start, 0, query_len) (ScheduledRequest); 0 for a
     # drafter's rows, which all run split-KV attention
     num_prompt_rows: int = 0
+    # the GDN layers run this row's recurrence with fla's chunk kernel (True: a long prompt's chunk of prompt rows
+    # only, core/gdn_prefill_rule.py) or the token loop (False); None: no rule, the layer decides by chunk length
+    gdn_chunked: bool | None = None
 
 
 @dataclass
@@ -120,8 +123,16 @@ def build_step(rows: list[ContextRow], input_ids: list[int], positions: list[int
         query_start_loc=qsl, seq_lens=lens, slot_mapping=slots, block_tables=bt,
         state_src=src, state_dst=dst, state_write_start=wstart, logits_indices=logits_idx[:len(logits_indices)],
         query_start_loc_cpu=query_start_loc, seq_lens_cpu=seq_lens, state_cpu=tuple(segments[6:9]),
-        num_prompt_rows=prompt_rows if any(row.num_prompt_rows for row in rows) else None)
+        num_prompt_rows=prompt_rows if any(row.num_prompt_rows for row in rows) else None,
+        gdn_chunked_cpu=_gdn_chunked(rows, r))
     return StepInputs(ids, pos, ctx)
+
+
+def _gdn_chunked(rows: list[ContextRow], num_reqs: int) -> list[bool] | None:
+    """Per request (padding False), whether its GDN recurrence runs fla's chunk kernel; None when no row says."""
+    if all(row.gdn_chunked is None for row in rows):
+        return None
+    return [bool(row.gdn_chunked) for row in rows] + [False] * (num_reqs - len(rows))
 
 
 def to_device_async(values: list[int], device: torch.device) -> torch.Tensor:

@@ -201,7 +201,8 @@ class ModelRunner:
     @staticmethod
     def prepare(scheduled: list[ScheduledRequest]) -> tuple[list[ContextRow], list[int], list[int]]:
         """The step's rows, input ids and positions (the state after the last sequence token and after every
-        draft is kept: docs/ARCHITECTURE.md, invariant 2)."""
+        draft is kept: docs/ARCHITECTURE.md, invariant 2). A long prompt's chunk runs fla's GDN kernel only if all
+        its rows are prompt rows (output positions recomputed after preemption take the token loop, as decoded)."""
         input_ids: list[int] = []
         positions: list[int] = []
         rows = []
@@ -209,8 +210,9 @@ class ModelRunner:
             start, query_len = r.num_computed_tokens, r.num_scheduled_tokens
             input_ids += r.token_ids
             positions += range(start, start + query_len)
+            gdn_chunked = None if r.gdn_chunked is None else r.gdn_chunked and r.num_prompt_rows == query_len
             rows.append(ContextRow(r.block_ids, start, query_len, r.state_src, r.first_state_slot,
-                                   r.num_new_tokens - 1, r.num_logits, r.num_prompt_rows))
+                                   r.num_new_tokens - 1, r.num_logits, r.num_prompt_rows, gdn_chunked))
         return rows, input_ids, positions
 
     def _generator(self, request_id: str, params: SamplingParams) -> torch.Generator:

@@ -1,0 +1,122 @@
+"""On CUDA with fla-core (skipped otherwise): with a GdnPrefillRule (core/gdn_prefill_rule.py) a long prompt's GDN
+prefill gives the same bits however it is chunked, so greedy tokens do not depend on the token budget,
+long_prefill_token_threshold, prefix caching or speculation.
+
+The embedded hybrid model in bf16 (default CUDA graphs), prompts of 1100-2500 tokens cut from the held-out code (and
+two short ones beside them), 32 greedy tokens each: (a) max_num_batched_tokens 8192 vs 300 vs
+long_prefill_token_threshold 128; (b) prefix caching on vs off, with prompts sharing prefixes and a next turn;
+(c) ngram k=8 vs no speculation. Every run must have sent prompt chunks to fla's chunk kernel (counted).
+"""
+
+import gc
+import json
+from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import torch
+
+from truespec import LLM, SamplingParams
+from truespec.assets import DEFAULT_MODEL_DIR
+from truespec.tokenizer import load_tokenizer
+
+
+def fla_runs() -> bool:
+    if not torch.cuda.is_available():
+        return False
+    from truespec.kernels import gdn_chunked  # triton: only where CUDA is
+
+    return gdn_chunked.is_available()
+
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not fla_runs(), reason="needs CUDA and fla-core")]
+PROMPTS_FILE = Path(__file__).resolve().parents[1] / "benchmarks" / "prompts" / "heldout.jsonl"
+GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+LENGTHS = [1100, 2500, 1537, 2047, 1301, 1800]  # long prompts (>= 1024 tokens), cut anywhere by the budgets
+NGRAM = {"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_min": 2}
+
+
+def held_out_ids() -> list[int]:
+    text = "\n\n".join(json.loads(line)["prompt"] for line in PROMPTS_FILE.read_text().splitlines())
+    return load_tokenizer(str(DEFAULT_MODEL_DIR)).encode(text)
+
+
+def long_prompts() -> list[list[int]]:
+    ids = held_out_ids()
+    step = (len(ids) - max(LENGTHS)) // len(LENGTHS)
+    out = [ids[i * step:i * step + n] for i, n in enumerate(LENGTHS)]
+    return out + [ids[-300:], ids[-700:]]  # short prompts beside them: the token loop
+
+
+@contextmanager
+def counting_fla_calls() -> Iterator[Counter[str]]:
+    """Count the calls of fla's chunk kernel (kernels/gdn_chunked.py) while the block runs."""
+    from truespec.kernels import gdn_chunked
+
+    real, counts = gdn_chunked._chunk_kernel, Counter()
+
+    def counting() -> Callable | None:
+        kernel = real()
+        if kernel is None:
+            return None
+
+        def call(*args: object, **kwargs: object) -> object:
+            counts["fla"] += 1
+            return kernel(*args, **kwargs)
+        return call
+
+    gdn_chunked._chunk_kernel = counting
+    try:
+        yield counts
+    finally:
+        gdn_chunked._chunk_kernel = real
+
+
+def generate(batches: list[list[list[int]]], **kwargs: object) -> list[list[int]]:
+    """Greedy tokens of each batch in turn (one engine: a later batch may reuse what an earlier one cached)."""
+    llm = LLM(str(DEFAULT_MODEL_DIR), dtype="bfloat16", device="cuda", max_model_len=4096, max_num_seqs=4, **kwargs)
+    assert llm.llm_engine.gdn_rule is not None and llm.llm_engine.gdn_rule.min_prompt_len == 1024
+    tokens = []
+    with counting_fla_calls() as counts:
+        for batch in batches:
+            outs = llm.generate([{"prompt_token_ids": p} for p in batch], GREEDY, use_tqdm=False)
+            tokens += [o.outputs[0].token_ids for o in outs]
+    assert counts["fla"] > 0, "no prompt chunk went through fla's chunk kernel"
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache()
+    return tokens
+
+
+def assert_same(expected: list[list[int]], actual: list[list[int]], what: str) -> None:
+    diverged = [i for i, (a, b) in enumerate(zip(expected, actual, strict=True)) if a != b]
+    print(f"{what}: {len(expected) - len(diverged)}/{len(expected)} identical")
+    assert not diverged, f"{what}: requests {diverged} differ"
+
+
+def test_long_prompt_tokens_do_not_depend_on_the_budget_or_the_prefill_cap() -> None:
+    batch = long_prompts()
+    whole = generate([batch], max_num_batched_tokens=8192, enable_prefix_caching=False)
+    assert_same(whole, generate([batch], max_num_batched_tokens=300, enable_prefix_caching=False), "budget 300")
+    assert_same(whole, generate([batch], max_num_batched_tokens=8192, long_prefill_token_threshold=128,
+                                enable_prefix_caching=False), "long_prefill_token_threshold 128")
+
+
+def test_long_prompt_tokens_do_not_depend_on_prefix_caching() -> None:
+    """Shared prefixes (a prompt, it extended, a prefix of it with another tail, a short prompt sharing its start)
+    and a next turn (the first prompt, its answer, more text), one batch after another."""
+    base = long_prompts()
+    first = [base[0] + base[2][:200], base[0], base[0][:1200] + base[3][:150], base[0][:900], base[1]]
+    turn1 = generate([first], enable_prefix_caching=False)
+    second = [base[0] + turn1[1] + base[4][:100], base[1] + turn1[4] + base[5][:64], base[1][:1500]]
+    off = generate([first, second], enable_prefix_caching=False, max_num_batched_tokens=512)
+    on = generate([first, second], enable_prefix_caching=True, max_num_batched_tokens=512)
+    assert_same(off, on, "prefix caching on vs off")
+
+
+def test_long_prompt_tokens_do_not_depend_on_speculation() -> None:
+    batch = long_prompts()
+    plain = generate([batch], max_num_batched_tokens=300)
+    assert_same(plain, generate([batch], max_num_batched_tokens=300, speculative_config=NGRAM), "ngram k=8")
