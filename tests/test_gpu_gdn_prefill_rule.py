@@ -33,7 +33,8 @@ def fla_runs() -> bool:
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not fla_runs(), reason="needs CUDA and fla-core")]
 PROMPTS_FILE = Path(__file__).resolve().parents[1] / "benchmarks" / "prompts" / "heldout.jsonl"
-GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+# logprobs: the first check is bitwise (the top-5 logprobs of every output position equal as floats), tokens the second
+GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=5)
 LENGTHS = [1100, 2500, 1537, 2047, 1301, 1800]  # long prompts (>= 1024 tokens), cut anywhere by the budgets
 NGRAM = {"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_min": 2}
 
@@ -74,15 +75,16 @@ def counting_fla_calls() -> Iterator[Counter[str]]:
         gdn_chunked._chunk_kernel = real
 
 
-def generate(batches: list[list[list[int]]], **kwargs: object) -> list[list[int]]:
-    """Greedy tokens of each batch in turn (one engine: a later batch may reuse what an earlier one cached)."""
+def generate(batches: list[list[list[int]]], **kwargs: object) -> list[tuple[list[int], list]]:
+    """(greedy tokens, their top-5 logprobs) of each batch in turn (one engine: a later batch may reuse what an
+    earlier one cached)."""
     llm = LLM(str(DEFAULT_MODEL_DIR), dtype="bfloat16", device="cuda", max_model_len=4096, max_num_seqs=4, **kwargs)
     assert llm.llm_engine.gdn_rule is not None and llm.llm_engine.gdn_rule.min_prompt_len == 1024
     tokens = []
     with counting_fla_calls() as counts:
         for batch in batches:
             outs = llm.generate([{"prompt_token_ids": p} for p in batch], GREEDY, use_tqdm=False)
-            tokens += [o.outputs[0].token_ids for o in outs]
+            tokens += [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
     assert counts["fla"] > 0, "no prompt chunk went through fla's chunk kernel"
     del llm
     gc.collect()
@@ -90,10 +92,12 @@ def generate(batches: list[list[list[int]]], **kwargs: object) -> list[list[int]
     return tokens
 
 
-def assert_same(expected: list[list[int]], actual: list[list[int]], what: str) -> None:
-    diverged = [i for i, (a, b) in enumerate(zip(expected, actual, strict=True)) if a != b]
-    print(f"{what}: {len(expected) - len(diverged)}/{len(expected)} identical")
-    assert not diverged, f"{what}: requests {diverged} differ"
+def assert_same(expected: list[tuple], actual: list[tuple], what: str) -> None:
+    """Same tokens and bitwise the same logprobs (a chunking-dependent GDN state would show in the bits first)."""
+    diverged = [i for i, (a, b) in enumerate(zip(expected, actual, strict=True)) if a[0] != b[0]]
+    bits = [i for i, (a, b) in enumerate(zip(expected, actual, strict=True)) if a[1] != b[1]]
+    print(f"{what}: {len(expected) - len(diverged)}/{len(expected)} identical tokens, {len(bits)} with other logprobs")
+    assert not diverged and not bits, f"{what}: requests {diverged} differ in tokens, {bits} in logprob bits"
 
 
 def test_long_prompt_tokens_do_not_depend_on_the_budget_or_the_prefill_cap() -> None:
@@ -110,7 +114,7 @@ def test_long_prompt_tokens_do_not_depend_on_prefix_caching() -> None:
     base = long_prompts()
     first = [base[0] + base[2][:200], base[0], base[0][:1200] + base[3][:150], base[0][:900], base[1]]
     turn1 = generate([first], enable_prefix_caching=False)
-    second = [base[0] + turn1[1] + base[4][:100], base[1] + turn1[4] + base[5][:64], base[1][:1500]]
+    second = [base[0] + turn1[1][0] + base[4][:100], base[1] + turn1[4][0] + base[5][:64], base[1][:1500]]
     off = generate([first, second], enable_prefix_caching=False, max_num_batched_tokens=512)
     on = generate([first, second], enable_prefix_caching=True, max_num_batched_tokens=512)
     assert_same(off, on, "prefix caching on vs off")
