@@ -7,7 +7,8 @@
 #   the embedded model's speculation speeds. Each part has its own time limit, so one failure costs only itself.
 #
 #   bash benchmarks/gpu_suite.sh [PARTS...]     # PARTS: tests tune timing profile compare spec (default: all)
-#                                               # also, not in the default: kv (compressed-cache decode speed),
+#                                               # not in the default: kernel_tests (the kernels' GPU tests; tests runs the engine's),
+#                                               # kv (compressed-cache decode speed),
 #                                               # governor (speculation vs none, governor auto / off), serve (load),
 #                                               # prefill (one attention layer's prefill: split-KV vs tiled vs SDPA),
 #                                               # ttft (the engine's TTFT at 512 / 8K / 32K, BS 1 / 8; decode gaps
@@ -32,10 +33,16 @@ has() { [[ " $parts " == *" $1 "* ]]; }
 shape=/tmp/qwen35-0.8b-shape
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/device.txt"
 
+# the GPU tests in two parts of <= 9 minutes each (a device command stops at 10): the engine-level ones, then kernels
+engine_tests=$(ls tests/test_gpu_*.py)
 if has tests; then
-    timeout 420 python3 -m pytest -q -m gpu -p no:cacheprovider tests/ --ignore=tests/test_paged_attention_many_splits.py \
-        2>&1 | tail -30 > "$OUT/gpu_tests.log"
+    timeout 540 python3 -m pytest -q -m gpu -p no:cacheprovider $engine_tests 2>&1 | tail -30 > "$OUT/gpu_tests.log"
     tail -3 "$OUT/gpu_tests.log"
+fi
+if has kernel_tests; then
+    timeout 540 python3 -m pytest -q -m gpu -p no:cacheprovider tests/ --ignore=tests/test_paged_attention_many_splits.py \
+        $(for f in $engine_tests; do echo "--ignore=$f"; done) 2>&1 | tail -30 > "$OUT/gpu_kernel_tests.log"
+    tail -3 "$OUT/gpu_kernel_tests.log"
 fi
 if has tune; then
     timeout 90 python3 benchmarks/tune_decode_kernels.py --batch-sizes 1 8 32 128 --query-len 1 4 \
