@@ -18,7 +18,7 @@ beta = torch.rand(1, L, HV, device=dev)
 h0 = torch.randn(1, HV, DK, DV, device=dev) * 0.1
 
 
-def run(s: int, e: int, init: torch.Tensor, cu: list[int] | None = None):
+def run(s: int, e: int, init: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     cs = torch.tensor([0, e - s], dtype=torch.int64)
     return chunk(q[:, s:e], k[:, s:e], v[:, s:e], g[:, s:e], beta[:, s:e], scale=DK**-0.5, initial_state=init,
                  output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=cs.to(dev), cu_seqlens_cpu=cs)

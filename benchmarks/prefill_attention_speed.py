@@ -21,25 +21,41 @@ from triton.testing import do_bench
 
 from truespec.kernels.paged_attention import paged_attention
 from truespec.kernels.prefill_attention import prefill_attention
-from truespec.kv_cache.formats import FORMATS
+from truespec.kv_cache.formats import FORMATS, KVFormat
 
 HEADS, KV_HEADS, D, BLOCK = 8, 2, 256, 16
 
 
-def measure(prompt: int, batch_size: int) -> dict[str, float]:
+def prompt_batch(prompt: int, batch_size: int, fmt: KVFormat | None = None) -> tuple:
+    """(q, kv_cache, query_start_loc, seq_lens, block_tables, scale): ``batch_size`` whole prompts of ``prompt``
+    tokens, as one chunk each, over a bf16 cache (``fmt``: a packed one of random bytes: timing does not depend on
+    the values)."""
     gen = torch.Generator(device="cuda").manual_seed(0)
     blocks_per = -(-prompt // BLOCK)
-    cache = torch.randn(2, batch_size * blocks_per, BLOCK, KV_HEADS, D, device="cuda", dtype=torch.bfloat16,
-                        generator=gen)  # fmt: skip
+    if fmt is None:
+        cache = torch.randn(2, batch_size * blocks_per, BLOCK, KV_HEADS, D, device="cuda", dtype=torch.bfloat16,
+                            generator=gen)  # fmt: skip
+    else:
+        shape = (batch_size * blocks_per, BLOCK, KV_HEADS, fmt.bytes_per_token(D))
+        cache = torch.randint(0, 256, shape, device="cuda", dtype=torch.uint8, generator=gen)
     q = torch.randn(batch_size * prompt, HEADS, D, device="cuda", dtype=torch.bfloat16, generator=gen)
     qsl = torch.arange(batch_size + 1, device="cuda") * prompt
     seq_lens = torch.full((batch_size,), prompt, device="cuda")
     tables = torch.arange(batch_size * blocks_per, device="cuda").view(batch_size, blocks_per)
-    args = (q, cache, qsl, seq_lens, tables, D**-0.5)
+    return q, cache, qsl, seq_lens, tables, D**-0.5
+
+
+def causal_flops(prompt: int, batch_size: int) -> int:
+    return batch_size * 2 * HEADS * D * prompt * prompt  # QK^T + PV over the causal half
+
+
+def measure(prompt: int, batch_size: int) -> dict[str, float]:
+    args = prompt_batch(prompt, batch_size)
+    q, cache = args[:2]
     k = cache[0].view(batch_size, -1, KV_HEADS, D)[:, :prompt].transpose(1, 2).repeat_interleave(HEADS // KV_HEADS, 1)
     v = cache[1].view(batch_size, -1, KV_HEADS, D)[:, :prompt].transpose(1, 2).repeat_interleave(HEADS // KV_HEADS, 1)
     qb = q.view(batch_size, prompt, HEADS, D).transpose(1, 2)
-    flops = batch_size * 2 * HEADS * D * prompt * prompt  # QK^T + PV over the causal half
+    flops = causal_flops(prompt, batch_size)
     # seconds per call: triton's do_bench (warm-up, then the median of timed calls, its L2 cache flushed between)
     times = {name: do_bench(fn, return_mode="median") / 1e3 for name, fn in (
         ("split_kv", lambda: paged_attention(*args)), ("prefill", lambda: prefill_attention(*args)),
@@ -52,22 +68,9 @@ def measure(prompt: int, batch_size: int) -> dict[str, float]:
 
 def tune(prompt: int, batch_size: int, kv_dtype: str) -> None:
     """Times the prefill kernel over (BLOCK_M, BLOCK_N, warps, stages) on a ``kv_dtype`` cache ("auto": bf16) and
-    prints the ranking, fastest first (random packed bytes: the timing does not depend on the values)."""
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    blocks_per = -(-prompt // BLOCK)
-    q = torch.randn(batch_size * prompt, HEADS, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+    prints the ranking, fastest first."""
     fmt = None if kv_dtype == "auto" else FORMATS[kv_dtype]
-    if fmt is None:
-        cache = torch.randn(2, batch_size * blocks_per, BLOCK, KV_HEADS, D, device="cuda", dtype=torch.bfloat16,
-                            generator=gen)  # fmt: skip
-    else:
-        shape = (batch_size * blocks_per, BLOCK, KV_HEADS, fmt.bytes_per_token(D))
-        cache = torch.randint(0, 256, shape, device="cuda", dtype=torch.uint8, generator=gen)
-    qsl = torch.arange(batch_size + 1, device="cuda") * prompt
-    seq_lens = torch.full((batch_size,), prompt, device="cuda")
-    tables = torch.arange(batch_size * blocks_per, device="cuda").view(batch_size, blocks_per)
-    args = (q, cache, qsl, seq_lens, tables, D**-0.5)
-    flops = batch_size * 2 * HEADS * D * prompt * prompt
+    args, flops = prompt_batch(prompt, batch_size, fmt), causal_flops(prompt, batch_size)
     results = []
     for block_m, block_n, warps, stages in itertools.product((16, 32), (32, 64), (4, 8), (1, 2, 3)):
         fn = functools.partial(prefill_attention, *args, fmt=fmt, config=(block_m, block_n, warps, stages))

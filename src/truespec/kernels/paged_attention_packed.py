@@ -45,6 +45,7 @@ from truespec.kernels.paged_attention import (
     MIN_SPLIT_KEYS,
     NUM_WARPS,
     CacheTiles,
+    model_cache_tiles,
     split_attention,
 )
 from truespec.kernels.row_invariant_matmul import row_invariant_matmul
@@ -142,6 +143,14 @@ def paged_attention_packed(
     return split_attention(q_in, tiles, query_start_loc, seq_lens, block_tables, scale, out, block_n, max_splits,
                            min_split_keys, num_warps, max_workspace_bytes, sparse_v_threshold,
                            sparse_v_min_keys)  # fmt: skip
+
+
+def cache_tiles(q: torch.Tensor, kv_cache: torch.Tensor, fmt: KVFormat | None) -> tuple[torch.Tensor, CacheTiles]:
+    """(q as the kernels read it, how they read ``kv_cache``): a model-dtype cache (``fmt`` None) or a packed one of
+    ``fmt`` (``packed_cache_tiles``) at q's head_dim."""
+    if fmt is None:
+        return q, model_cache_tiles(q, kv_cache)
+    return packed_cache_tiles(q, kv_cache, fmt, q.shape[-1])
 
 
 def packed_cache_tiles(q: torch.Tensor, kv_cache: torch.Tensor, fmt: KVFormat, head_dim: int

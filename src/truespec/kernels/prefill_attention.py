@@ -42,8 +42,8 @@ import triton
 import triton.language as tl
 
 from truespec.kernels.kv_tiles import CacheTiles, online_softmax_step, tile_pv, tile_queries, tile_scores, tile_slots
-from truespec.kernels.paged_attention import dot_dtype, model_cache_tiles
-from truespec.kernels.paged_attention_packed import KVFormat, packed_cache_tiles
+from truespec.kernels.paged_attention import dot_dtype
+from truespec.kernels.paged_attention_packed import KVFormat, cache_tiles
 from truespec.kernels.triton_utils import (
     find_request,
     needs_dot_upcast,
@@ -164,10 +164,7 @@ def prefill_attention(
     ``num_rows[r]`` query rows are computed (its prompt rows, kernels/step_attention.py); None: every row. Rows not
     computed, and rows past ``query_start_loc[-1]``, are left as they are in ``out`` (zeros if allocated here). No
     host read. Returns ``out``."""
-    if fmt is None:
-        q_in, tiles = q, model_cache_tiles(q, kv_cache)
-    else:
-        q_in, tiles = packed_cache_tiles(q, kv_cache, fmt, q.shape[-1])
+    q_in, tiles = cache_tiles(q, kv_cache, fmt)
     out = torch.zeros_like(q) if out is None else out
     if num_rows is None:
         num_rows = query_start_loc[1:] - query_start_loc[:-1]

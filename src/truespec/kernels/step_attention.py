@@ -26,10 +26,9 @@ from truespec.kernels.paged_attention import (
     MAX_WORKSPACE_BYTES,
     MIN_SPLIT_KEYS,
     NUM_WARPS,
-    model_cache_tiles,
     split_attention,
 )
-from truespec.kernels.paged_attention_packed import KVFormat, packed_cache_tiles
+from truespec.kernels.paged_attention_packed import KVFormat, cache_tiles
 from truespec.kernels.prefill_attention import prefill_rows
 
 
@@ -56,10 +55,7 @@ def step_attention(
     which would only skip every row, is not launched (at 64 splits its workspace holds ~250 rows, so an 8K-token
     prefill chunk was 33 empty launches a layer, 9% of its GPU time). Returns ``out`` (allocated if None) in q's
     dtype."""
-    if fmt is None:
-        q_in, tiles = q, model_cache_tiles(q, kv_cache)
-    else:
-        q_in, tiles = packed_cache_tiles(q, kv_cache, fmt, q.shape[-1])
+    q_in, tiles = cache_tiles(q, kv_cache, fmt)
     out = torch.empty_like(q) if out is None else out
     if is_prompt_only and num_prompt_rows is not None:
         return prefill_rows(q_in, tiles, query_start_loc, seq_lens, block_tables, num_prompt_rows, scale, out)
