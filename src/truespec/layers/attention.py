@@ -69,7 +69,7 @@ class PagedAttention(nn.Module):
             # keeps the split kernel for every row, as before (the prefill kernel is built for 16-bit / fp32 on CUDA)
             prompt_rows = ctx.num_prompt_rows if q.dtype != torch.float64 else None
             return kernels().step_attention(q, self.kv_cache, *meta, self.scale, prompt_rows, fmt=self.kv_format,
-                                            is_prompt_only=ctx.is_prompt_only and prompt_rows is not None, **skip)
+                                            is_prompt_only=ctx.is_prompt_only, **skip)
         # the torch path (CPU, TRUESPEC_BACKEND=torch, fp64 over a packed cache, whose reads do not compile on CUDA:
         # kernels/paged_attention_packed.py) computes every row the same way, prompt rows included
         if self.kv_format is not None:
