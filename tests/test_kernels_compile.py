@@ -5,8 +5,9 @@ that is not a ``tl.constexpr`` (the packed attention kernel once read MAX_SPLITS
 op with no lowering for a dtype. ``triton.compile`` with an explicit target runs the whole pipeline, ptxas included,
 on the CPU. The kernels must be defined compiled, so this runs in a subprocess without ``TRITON_INTERPRET``.
 Each cache dtype's attention loop (sparse-V on; off too for the model dtype; a bf16 model's tensor-core tiles, and
-an fp32 model's for two formats) and store kernel, the split merge kernel and the model-dtype loop at split caps 16
-and 128, and the prefill kernel (model dtype, 4bit_nc), at head_dim 256.
+an fp32 model's for two formats; fp16 fields by 16-bit loads, for k3v4_nc also by byte loads) and store kernel, the
+split merge kernel and the model-dtype loop at split caps 16 and 128, and the prefill kernel (model dtype, 4bit_nc),
+at head_dim 256.
 """
 
 import os
@@ -48,7 +49,8 @@ def attention_types(cache, q):
 
 layout = dict(HEAD_DIM=D, HEAD_DIM_PAD=D, GROUP=4, GROUP_PAD=16, BLOCK_SIZE=16, BLOCK_N=32, MAX_SPLITS=16,
               MIN_SPLIT_KEYS=64, ACC_DTYPE=tl.float32, DOT_DTYPE=tl.bfloat16, UPCAST=False)
-model = dict(KEY_ENC=0, KEY_BITS=0, KEY_CODE_BYTES=0, VALUE_ENC=0, VALUE_BITS=0, VALUE_CODE_BYTES=0)
+model = dict(KEY_ENC=0, KEY_BITS=0, KEY_CODE_BYTES=0, VALUE_ENC=0, VALUE_BITS=0, VALUE_CODE_BYTES=0,
+             FP16_ALIGNED=False)
 for sparse_v in (False, True):
     compile_kernel(attention._paged_attention_kernel, dict(layout, **model, SPARSE_V=sparse_v),
                    attention_types("*bf16", "*bf16"))
@@ -59,12 +61,14 @@ for name in ["fp8", "turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc
     encoding = dict(KEY_ENC=packed.KEY_ENCODINGS[fmt.key_encoding], KEY_BITS=key_bits,
                     KEY_CODE_BYTES=packed_size(D, key_bits), VALUE_ENC=packed.VALUE_ENCODINGS[fmt.value_encoding],
                     VALUE_BITS=value_bits, VALUE_CODE_BYTES=packed_size(D, value_bits))
-    compile_kernel(attention._paged_attention_kernel, dict(layout, **encoding, SPARSE_V=True),
-                   attention_types("*u8", "*fp32" if fmt.is_rotated else "*bf16"))
+    # fp16 norms / scales at even addresses (every preset's contiguous cache at D 256): one 16-bit load each
+    for aligned in (True, False) if name == "turboquant_k3v4_nc" else (name != "fp8",):
+        compile_kernel(attention._paged_attention_kernel, dict(layout, **encoding, SPARSE_V=True, FP16_ALIGNED=aligned),
+                       attention_types("*u8", "*fp32" if fmt.is_rotated else "*bf16"))
     if name in ("turboquant_k8v4", "turboquant_4bit_nc"):  # an fp32 model: tiles decoded in fp32, IEEE products
         types = dict(attention_types("*u8", "*fp32"), out_ptr="*fp32")
         compile_kernel(attention._paged_attention_kernel, dict(layout, **encoding, SPARSE_V=True,
-                                                               DOT_DTYPE=tl.float32), types)
+                                                               DOT_DTYPE=tl.float32, FP16_ALIGNED=True), types)
     compile_kernel(store._kv_store_packed_kernel,
                    dict(HEAD_DIM=D, HEAD_DIM_PAD=D, **encoding, KEY_BYTES=fmt.key_bytes(D), CODE_BLOCK=32,
                         COMPUTE_DTYPE=tl.float32, TINY=1.1754943508222875e-38, IS_FP64=False),
@@ -88,7 +92,7 @@ compile_kernel(prefill._prefill_attention_kernel, dict(prefill_layout, **model),
 fmt = FORMATS["turboquant_4bit_nc"]
 compile_kernel(prefill._prefill_attention_kernel, dict(prefill_layout, KEY_ENC=packed.KEY_ENCODINGS[fmt.key_encoding],
                KEY_BITS=4, KEY_CODE_BYTES=packed_size(D, 4), VALUE_ENC=packed.VALUE_ENCODINGS[fmt.value_encoding],
-               VALUE_BITS=4, VALUE_CODE_BYTES=packed_size(D, 4)),
+               VALUE_BITS=4, VALUE_CODE_BYTES=packed_size(D, 4), FP16_ALIGNED=True),
                dict(prefill_types, kv_cache_ptr="*u8", q_ptr="*fp32"))
 print("compiled")
 """

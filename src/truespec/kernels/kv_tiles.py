@@ -8,11 +8,18 @@ The encoding of keys and of values is a compile-time constant, so each cache dty
   K / V plane stride). Scores are ``q . k`` in the model dtype on the tensor cores (fp32 accumulation), exactly as
   before the packed formats shared this loop.
 - ``FP8`` keys / values: HEAD_DIM float8_e4m3fn bytes, widened exactly (scale 1.0, as the reference).
-- ``LLOYD_MAX`` keys (``turboquant_*_nc``): the wrapper rotates q once (q @ H); each coordinate's code is unpacked
-  from the little-endian bit stream (one byte load and a shift for 4-bit codes; two for 3-bit codes, which may
-  straddle a byte), its centroid looked up in a small table, and the score is ``<q_rot, c> * norm / ||c||`` (norm
-  correction): keys are never rotated back.
+- ``LLOYD_MAX`` keys (``turboquant_*_nc``): the wrapper rotates q once (q @ H); the tile's codes are unpacked from
+  the little-endian bit stream (``tile_codes``), each centroid looked up in a small table, and the score is
+  ``<q_rot, c> * norm / ||c||`` (norm correction): keys are never rotated back.
 - ``UNIFORM`` values: codes unpacked the same way, ``v = code * scale + zero`` (fp16 scale / zero).
+
+Unpacking loads each code byte of the tile once, from contiguous addresses, and expands the codes in registers:
+4-bit codes as [BLOCK_N, HEAD_DIM_PAD / 2] bytes split into nibbles, 3-bit codes as three byte planes
+[BLOCK_N, HEAD_DIM_PAD / 8] forming 24-bit words of 8 codes, both interleaved back to [BLOCK_N, HEAD_DIM_PAD] with
+``tl.join`` + ``tl.reshape`` (head dims whose codes do not fill whole bytes / words take a per-code path). An fp16
+norm / scale / zero is one 16-bit load where the host proved every such address even (``FP16_ALIGNED``,
+paged_attention_packed.py ``is_fp16_aligned``: each preset's contiguous cache at power-of-two head dims >= 16), else
+two byte loads. Only how bytes are loaded differs between these paths: the decoded values are the same bits.
 
 Packed slots (kv_cache/formats.py) hold the key part then the value part, multi-byte fields little-endian; decoded
 tiles are never written back. For 16-bit models (DOT_DTYPE bf16 / fp16) every product runs on the tensor cores
@@ -44,13 +51,46 @@ class CacheTiles(NamedTuple):
     strides: tuple[int, int, int]  # block, slot, kv head
     value_offset: int  # from a slot's key to its value: the K / V plane stride, or a packed slot's key bytes
     centroids: torch.Tensor  # Lloyd-Max centroid table in the accumulator dtype (unread for other keys)
-    encoding: dict[str, int]  # KEY_ENC, KEY_BITS, KEY_CODE_BYTES, VALUE_ENC, VALUE_BITS, VALUE_CODE_BYTES
+    encoding: dict[str, int]  # KEY_ENC, KEY_BITS, KEY_CODE_BYTES, VALUE_ENC, VALUE_BITS, VALUE_CODE_BYTES,
+    # FP16_ALIGNED
+
+
+@triton.jit
+def tile_codes(slot_ptr, n_mask, d, kv_mask, BITS: tl.constexpr, NUM_BYTES: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """The codes [BLOCK_N, HEAD_DIM_PAD] (int32, 0 where ``kv_mask`` is off) of the slots whose packed bit streams
+    (NUM_BYTES bytes each) start at ``slot_ptr`` [BLOCK_N]. Each code byte is loaded once, from contiguous addresses,
+    and expanded in registers: 4-bit codes as [BLOCK_N, HEAD_DIM_PAD / 2] bytes, code 2i the low nibble of byte i
+    and 2i + 1 the high one; 3-bit codes as three byte planes [BLOCK_N, HEAD_DIM_PAD / 8] (bytes 3g, 3g + 1, 3g + 2
+    hold codes 8g .. 8g + 7 as one 24-bit little-endian word). Both interleave with ``tl.join`` + ``tl.reshape``.
+    Head dims these cannot cover (odd for 4-bit, not a multiple of 8 for 3-bit) take ``unpack_codes``."""
+    BLOCK_N: tl.constexpr = n_mask.shape[0]
+    HEAD_DIM_PAD: tl.constexpr = d.shape[0]
+    if (BITS == 4) & (HEAD_DIM % 2 == 0):
+        b = tl.arange(0, HEAD_DIM_PAD // 2)
+        byte_mask = n_mask[:, None] & (b[None, :] < HEAD_DIM // 2)
+        byte = tl.load(slot_ptr[:, None] + b[None, :], mask=byte_mask, other=0).to(tl.int32)
+        return tl.reshape(tl.join(byte & 15, byte >> 4), [BLOCK_N, HEAD_DIM_PAD])
+    elif (BITS == 3) & (HEAD_DIM % 8 == 0):
+        g = tl.arange(0, HEAD_DIM_PAD // 8)
+        group_mask = n_mask[:, None] & (g[None, :] < HEAD_DIM // 8)
+        group_ptr = slot_ptr[:, None] + 3 * g[None, :]
+        word = tl.load(group_ptr, mask=group_mask, other=0).to(tl.int32)
+        word |= tl.load(group_ptr + 1, mask=group_mask, other=0).to(tl.int32) << 8
+        word |= tl.load(group_ptr + 2, mask=group_mask, other=0).to(tl.int32) << 16
+        # code 4a + 2b + c of a group (bits [3 (4a + 2b + c), +3) of the word) at [..., a, b, c]: join stacks on a
+        # new last axis, so the outermost join picks c, the innermost a
+        even = tl.join(tl.join(word & 7, (word >> 12) & 7), tl.join((word >> 6) & 7, (word >> 18) & 7))
+        odd = tl.join(tl.join((word >> 3) & 7, (word >> 15) & 7), tl.join((word >> 9) & 7, (word >> 21) & 7))
+        return tl.reshape(tl.join(even, odd), [BLOCK_N, HEAD_DIM_PAD])
+    else:
+        return unpack_codes(slot_ptr[:, None], d[None, :], kv_mask, BITS, NUM_BYTES)
 
 
 @triton.jit
 def unpack_codes(base_ptr, idx, mask, BITS: tl.constexpr, NUM_BYTES: tl.constexpr):
     """Codes ``idx`` (any int tensor) of a packed little-endian bit stream at ``base_ptr`` (NUM_BYTES bytes),
-    as int32: code j is bits [j * BITS, (j + 1) * BITS); a 3-bit code may straddle two bytes."""
+    as int32, one or two byte loads per code (``tile_codes``' fallback): code j is bits [j * BITS, (j + 1) * BITS);
+    a 3-bit code may straddle two bytes."""
     bit = idx * BITS
     byte = bit // 8
     lo = tl.load(base_ptr + byte, mask=mask, other=0).to(tl.int32)
@@ -61,11 +101,15 @@ def unpack_codes(base_ptr, idx, mask, BITS: tl.constexpr, NUM_BYTES: tl.constexp
 
 
 @triton.jit
-def load_fp16(ptr, mask):
-    """A little-endian fp16 at byte address ``ptr`` (any alignment), widened to fp32."""
-    lo = tl.load(ptr, mask=mask, other=0).to(tl.uint16)
-    hi = tl.load(ptr + 1, mask=mask, other=0).to(tl.uint16)
-    return (lo | (hi << 8)).to(tl.float16, bitcast=True).to(tl.float32)
+def load_fp16(ptr, mask, IS_EVEN: tl.constexpr):
+    """A little-endian fp16 at byte address ``ptr``, widened to fp32: one 16-bit load where every address is even
+    (``IS_EVEN``), else two byte loads."""
+    if IS_EVEN:
+        bits = tl.load(ptr.to(tl.pointer_type(tl.uint16)), mask=mask, other=0)
+    else:
+        lo = tl.load(ptr, mask=mask, other=0).to(tl.uint16)
+        bits = lo | (tl.load(ptr + 1, mask=mask, other=0).to(tl.uint16) << 8)
+    return bits.to(tl.float16, bitcast=True).to(tl.float32)
 
 
 @triton.jit
@@ -124,8 +168,9 @@ def tile_queries(q, KEY_ENC: tl.constexpr, ACC_DTYPE: tl.constexpr, DOT_DTYPE: t
 
 @triton.jit
 def tile_scores(q, q_lo, head_ptr, slot_off, d, n_mask, kv_mask, centroids_ptr, KEY_ENC: tl.constexpr,
-                KEY_BITS: tl.constexpr, KEY_CODE_BYTES: tl.constexpr, ACC_DTYPE: tl.constexpr,
-                DOT_DTYPE: tl.constexpr, UPCAST: tl.constexpr):  # fmt: skip
+                KEY_BITS: tl.constexpr, KEY_CODE_BYTES: tl.constexpr, HEAD_DIM: tl.constexpr,
+                FP16_ALIGNED: tl.constexpr, ACC_DTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr,
+                UPCAST: tl.constexpr):  # fmt: skip
     """Unscaled scores [GROUP_PAD, BLOCK_N] of (q, q_lo) [GROUP_PAD, HEAD_DIM_PAD] (``tile_queries``) against the
     keys of the tile's slots, which start ``slot_off`` [BLOCK_N] elements (bytes for a packed cache) past
     ``head_ptr``. On the tensor cores (DOT_DTYPE 16-bit): fp8 keys widen exactly to DOT_DTYPE; Lloyd-Max centroids
@@ -138,10 +183,10 @@ def tile_scores(q, q_lo, head_ptr, slot_off, d, n_mask, kv_mask, centroids_ptr, 
         s = mma(q, tl.trans(k), UPCAST)
     else:
         slot_ptr = head_ptr + slot_off  # [BLOCK_N]
-        codes = unpack_codes(slot_ptr[:, None], d[None, :], kv_mask, KEY_BITS, KEY_CODE_BYTES)
+        codes = tile_codes(slot_ptr, n_mask, d, kv_mask, KEY_BITS, KEY_CODE_BYTES, HEAD_DIM)
         c = tl.load(centroids_ptr + codes, mask=kv_mask, other=0.0)  # [BLOCK_N, HEAD_DIM_PAD]
         c_norm = tl.sqrt(reduce_sum(c * c, 1))
-        norm = load_fp16(slot_ptr + KEY_CODE_BYTES, n_mask).to(ACC_DTYPE)
+        norm = load_fp16(slot_ptr + KEY_CODE_BYTES, n_mask, FP16_ALIGNED).to(ACC_DTYPE)
         weight = norm / tl.where(c_norm > 0, c_norm, 1.0)  # ||k|| / ||c||; masked keys: 0
         if DOT_DTYPE == ACC_DTYPE:
             s = mma(q, tl.trans(c), False)
@@ -154,8 +199,8 @@ def tile_scores(q, q_lo, head_ptr, slot_off, d, n_mask, kv_mask, centroids_ptr, 
 
 @triton.jit
 def tile_pv(p, value_ptr, slot_off, d, n_mask, kv_mask, VALUE_ENC: tl.constexpr, VALUE_BITS: tl.constexpr,
-            VALUE_CODE_BYTES: tl.constexpr, ACC_DTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr,
-            UPCAST: tl.constexpr):  # fmt: skip
+            VALUE_CODE_BYTES: tl.constexpr, HEAD_DIM: tl.constexpr, FP16_ALIGNED: tl.constexpr,
+            ACC_DTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr, UPCAST: tl.constexpr):  # fmt: skip
     """p [GROUP_PAD, BLOCK_N] (accumulator dtype) @ the values [BLOCK_N, HEAD_DIM_PAD] of the tile's slots, whose
     value parts start ``slot_off`` [BLOCK_N] past ``value_ptr``. MODEL and FP8 values: p cast to the values'
     dtype (fp8 widened exactly to DOT_DTYPE) and one MMA. UNIFORM values ``code * scale + zero`` per slot: on the
@@ -170,9 +215,9 @@ def tile_pv(p, value_ptr, slot_off, d, n_mask, kv_mask, VALUE_ENC: tl.constexpr,
         return mma(p.to(DOT_DTYPE), v, UPCAST)
     else:
         slot_ptr = value_ptr + slot_off  # [BLOCK_N]
-        codes = unpack_codes(slot_ptr[:, None], d[None, :], kv_mask, VALUE_BITS, VALUE_CODE_BYTES)
-        v_scale = load_fp16(slot_ptr + VALUE_CODE_BYTES, n_mask).to(ACC_DTYPE)
-        v_zero = load_fp16(slot_ptr + VALUE_CODE_BYTES + 2, n_mask).to(ACC_DTYPE)
+        codes = tile_codes(slot_ptr, n_mask, d, kv_mask, VALUE_BITS, VALUE_CODE_BYTES, HEAD_DIM)
+        v_scale = load_fp16(slot_ptr + VALUE_CODE_BYTES, n_mask, FP16_ALIGNED).to(ACC_DTYPE)
+        v_zero = load_fp16(slot_ptr + VALUE_CODE_BYTES + 2, n_mask, FP16_ALIGNED).to(ACC_DTYPE)
         if DOT_DTYPE == ACC_DTYPE:
             v = codes.to(ACC_DTYPE) * v_scale[:, None] + v_zero[:, None]
             return mma(p, tl.where(kv_mask, v, 0.0), False)

@@ -138,6 +138,7 @@ def _paged_attention_kernel(
     VALUE_ENC: tl.constexpr,
     VALUE_BITS: tl.constexpr,
     VALUE_CODE_BYTES: tl.constexpr,
+    FP16_ALIGNED: tl.constexpr,  # every fp16 field of a packed slot at an even byte address
     SPARSE_V: tl.constexpr,  # skip the values of tiles whose weights are all < sparse_v_threshold
 ):
     row = tl.program_id(0)
@@ -171,7 +172,7 @@ def _paged_attention_kernel(
         slot_off, kv_mask = tile_slots(block_tables_ptr, r, stride_bt_req, n, n_mask, d, stride_cache_block,
                                        stride_cache_slot, BLOCK_SIZE, HEAD_DIM)  # fmt: skip
         s = tile_scores(q, q_lo, cache_head_ptr, slot_off, d, n_mask, kv_mask, centroids_ptr, KEY_ENC, KEY_BITS,
-                        KEY_CODE_BYTES, ACC_DTYPE, DOT_DTYPE, UPCAST)  # fmt: skip
+                        KEY_CODE_BYTES, HEAD_DIM, FP16_ALIGNED, ACC_DTYPE, DOT_DTYPE, UPCAST)  # fmt: skip
         s = s * scale_acc  # [GROUP_PAD, BLOCK_N]
         s = tl.where(n_mask[None, :], s, float("-inf"))
         m_new, alpha, p, l = online_softmax_step(m, l, s)  # m_new finite: every tile holds a key of this split
@@ -183,10 +184,12 @@ def _paged_attention_kernel(
                 acc = acc * alpha[:, None]
             else:
                 acc = acc * alpha[:, None] + tile_pv(p, value_ptr, slot_off, d, n_mask, kv_mask, VALUE_ENC, VALUE_BITS,
-                                                     VALUE_CODE_BYTES, ACC_DTYPE, DOT_DTYPE, UPCAST)  # fmt: skip
+                                                     VALUE_CODE_BYTES, HEAD_DIM, FP16_ALIGNED, ACC_DTYPE, DOT_DTYPE,
+                                                     UPCAST)  # fmt: skip
         else:
             acc = acc * alpha[:, None] + tile_pv(p, value_ptr, slot_off, d, n_mask, kv_mask, VALUE_ENC, VALUE_BITS,
-                                                 VALUE_CODE_BYTES, ACC_DTYPE, DOT_DTYPE, UPCAST)  # fmt: skip
+                                                 VALUE_CODE_BYTES, HEAD_DIM, FP16_ALIGNED, ACC_DTYPE, DOT_DTYPE,
+                                                 UPCAST)  # fmt: skip
         m = m_new
 
     if num_splits == 1:  # the unsplit loop: normalise and write the output here
@@ -244,7 +247,8 @@ def model_cache_tiles(q: torch.Tensor, kv_cache: torch.Tensor) -> CacheTiles:
         raise ValueError("kv_cache needs a unit last stride and q's dtype")
     return CacheTiles(kv_cache, block_size, num_kv_heads, (kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3)),
                       kv_cache.stride(0), kv_cache, dict(KEY_ENC=MODEL, KEY_BITS=0, KEY_CODE_BYTES=0, VALUE_ENC=MODEL,
-                                                         VALUE_BITS=0, VALUE_CODE_BYTES=0))  # fmt: skip
+                                                         VALUE_BITS=0, VALUE_CODE_BYTES=0,
+                                                         FP16_ALIGNED=False))  # fmt: skip
 
 
 def dot_dtype(out_dtype: torch.dtype) -> tl.dtype:

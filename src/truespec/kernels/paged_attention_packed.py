@@ -99,6 +99,14 @@ def _dummy_table(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return torch.zeros(1, dtype=dtype, device=device)
 
 
+def is_fp16_aligned(kv_cache: torch.Tensor, fp16_fields: list[int]) -> bool:
+    """Whether the slots of the uint8 ``kv_cache`` [num_blocks, block_size, num_kv_heads, bytes] hold fp16 fields
+    (norm, scale; a zero follows its scale), ``fp16_fields`` bytes into a slot, and every one of them sits at an even
+    address: then the kernels read each with one 16-bit load (kv_tiles.py ``load_fp16``). A property of the cache's
+    layout, not of the batch: fixed for a model's calls."""
+    return bool(fp16_fields) and all(x % 2 == 0 for x in (kv_cache.data_ptr(), *kv_cache.stride()[:3], *fp16_fields))
+
+
 def check_packed_cache(kv_cache: torch.Tensor, fmt: KVFormat, head_dim: int) -> None:
     """Raise a ValueError unless ``kv_cache`` is a uint8 [num_blocks, block_size, num_kv_heads, bytes] cache of
     ``fmt`` (a packed format) at ``head_dim``, each slot's bytes contiguous."""
@@ -175,9 +183,12 @@ def packed_cache_tiles(q: torch.Tensor, kv_cache: torch.Tensor, fmt: KVFormat, h
         q_in, centroids, key_bits, key_code_bytes = q, _dummy_table(acc_dtype, q.device), 8, head_dim
     value_bits = fmt.value_bits if fmt.value_encoding == UNIFORM else 8
     assert value_bits is not None
+    value_code_bytes = packed_size(head_dim, value_bits)
+    fp16_fields = ([key_code_bytes] if fmt.is_rotated else []) + (
+        [fmt.key_bytes(head_dim) + value_code_bytes] if fmt.value_encoding == UNIFORM else [])  # fmt: skip
     encoding = dict(KEY_ENC=KEY_ENCODINGS[fmt.key_encoding], KEY_BITS=key_bits, KEY_CODE_BYTES=key_code_bytes,
                     VALUE_ENC=VALUE_ENCODINGS[fmt.value_encoding], VALUE_BITS=value_bits,
-                    VALUE_CODE_BYTES=packed_size(head_dim, value_bits))  # fmt: skip
+                    VALUE_CODE_BYTES=value_code_bytes, FP16_ALIGNED=is_fp16_aligned(kv_cache, fp16_fields))  # fmt: skip
     tiles = CacheTiles(kv_cache, block_size, num_kv_heads, (kv_cache.stride(0), kv_cache.stride(1),
                        kv_cache.stride(2)), fmt.key_bytes(head_dim), centroids, encoding)  # fmt: skip
     return q_in, tiles

@@ -99,6 +99,7 @@ def _prefill_attention_kernel(
     VALUE_ENC: tl.constexpr,
     VALUE_BITS: tl.constexpr,
     VALUE_CODE_BYTES: tl.constexpr,
+    FP16_ALIGNED: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -134,12 +135,12 @@ def _prefill_attention_kernel(
         slot_off, kv_mask = tile_slots(block_tables_ptr, r, stride_bt_req, n, n_mask, d, stride_cache_block,
                                        stride_cache_slot, BLOCK_SIZE, HEAD_DIM)  # fmt: skip
         s = tile_scores(q, q_lo, cache_head_ptr, slot_off, d, n_mask, kv_mask, centroids_ptr, KEY_ENC, KEY_BITS,
-                        KEY_CODE_BYTES, ACC_DTYPE, DOT_DTYPE, UPCAST)  # fmt: skip
+                        KEY_CODE_BYTES, HEAD_DIM, FP16_ALIGNED, ACC_DTYPE, DOT_DTYPE, UPCAST)  # fmt: skip
         s = tl.where(n[None, :] <= position[:, None], s * scale_acc, float("-inf"))  # causal (and n < num_keys)
         m_new, alpha, p, l = online_softmax_step(m, l, s)  # m_new finite: tile 0 holds key 0, which every row sees
         acc = acc * alpha[:, None] + tile_pv(p, cache_head_ptr + value_offset, slot_off, d, n_mask, kv_mask,
-                                             VALUE_ENC, VALUE_BITS, VALUE_CODE_BYTES, ACC_DTYPE, DOT_DTYPE,
-                                             UPCAST)  # fmt: skip
+                                             VALUE_ENC, VALUE_BITS, VALUE_CODE_BYTES, HEAD_DIM, FP16_ALIGNED,
+                                             ACC_DTYPE, DOT_DTYPE, UPCAST)  # fmt: skip
         m = m_new
     out = acc / tl.where(l > 0, l, 1.0)[:, None]
     o_ptrs = out_ptr + token[:, None] * stride_o_tok + head[:, None] * stride_o_head + d[None, :]
