@@ -18,6 +18,7 @@ so that tiles are skipped.
 import argparse
 import importlib.util
 import itertools
+import os
 import sys
 from collections.abc import Callable
 
@@ -52,6 +53,7 @@ def import_src_tree(src: str) -> tuple[object, object]:
     """(kernels.paged_attention, kernels.paged_attention_packed) of the truespec under another checkout's ``src``,
     imported beside ours: our truespec modules leave sys.modules meanwhile and come back after, so each side's
     functions keep reading their own modules (kv_tiles.py included)."""
+    src = os.path.abspath(src)
     ours = {name: module for name, module in sys.modules.items() if name.split(".")[0] == "truespec"}
     for name in ours:
         del sys.modules[name]
@@ -129,8 +131,9 @@ def main() -> None:
             if name == "bf16 (--old)":
                 assert torch.equal(outs[0], reference), "the old kernel's output differs"
             ours[name] = outs[0]
-            if name.endswith(" (old)"):
-                assert torch.equal(outs[0], ours[name.removesuffix(" (old)")]), f"{name}: differs from ours"
+            if name.endswith(" (old)"):  # a changed tile decoding may reduce in another order: report, not assert
+                diff = (outs[0].float() - ours[name.removesuffix(" (old)")].float()).abs().max().item()
+                print(f"{'':26s} old vs ours: max |diff| {diff:.2e}")
             assert torch.equal(outs[0], outs[1]), f"{name}: threshold 0 differs from off"
             changed = (outs[2].float() - outs[0].float()).abs().max().item()
             bf16_us = bf16_us or times[0]

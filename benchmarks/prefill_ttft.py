@@ -102,11 +102,14 @@ def main() -> None:
     parser.add_argument("--label", default="")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--long-prefill-token-threshold", type=int, default=None,
+                        help="the engine setting (default: the engine's; 0 = never cap a prompt's chunk)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     max_model_len = max(args.prompts + [args.stall or 0]) + 600
     llm = LLM(args.model, dtype=args.dtype, device=args.device, max_model_len=max_model_len,
-              max_num_seqs=max(args.batch_sizes + [9]), enable_prefix_caching=False)  # fmt: skip
+              max_num_seqs=max(args.batch_sizes + [9]), enable_prefix_caching=False,
+              long_prefill_token_threshold=args.long_prefill_token_threshold)  # fmt: skip
     vocab = llm.llm_engine.vocab_size
     rows = {f"{p}/{b}": ttft(llm, p, b, vocab) for p in args.prompts for b in args.batch_sizes}
     stalled = stall(llm, args.stall, vocab) if args.stall else None

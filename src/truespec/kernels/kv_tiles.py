@@ -56,16 +56,20 @@ class CacheTiles(NamedTuple):
 
 
 @triton.jit
-def tile_codes(slot_ptr, n_mask, d, kv_mask, BITS: tl.constexpr, NUM_BYTES: tl.constexpr, HEAD_DIM: tl.constexpr):
+def tile_codes(slot_ptr, n_mask, d, kv_mask, BITS: tl.constexpr, NUM_BYTES: tl.constexpr, HEAD_DIM: tl.constexpr,
+               EXPAND_NIBBLES: tl.constexpr = True):  # fmt: skip
     """The codes [BLOCK_N, HEAD_DIM_PAD] (int32, 0 where ``kv_mask`` is off) of the slots whose packed bit streams
     (NUM_BYTES bytes each) start at ``slot_ptr`` [BLOCK_N]. Each code byte is loaded once, from contiguous addresses,
     and expanded in registers: 4-bit codes as [BLOCK_N, HEAD_DIM_PAD / 2] bytes, code 2i the low nibble of byte i
     and 2i + 1 the high one; 3-bit codes as three byte planes [BLOCK_N, HEAD_DIM_PAD / 8] (bytes 3g, 3g + 1, 3g + 2
     hold codes 8g .. 8g + 7 as one 24-bit little-endian word). Both interleave with ``tl.join`` + ``tl.reshape``.
-    Head dims these cannot cover (odd for 4-bit, not a multiple of 8 for 3-bit) take ``unpack_codes``."""
+    Head dims these cannot cover (odd for 4-bit, not a multiple of 8 for 3-bit) take ``unpack_codes``, and so do
+    4-bit codes with EXPAND_NIBBLES off: Lloyd-Max keys, whose centroid gather ran 1.4x slower after the nibble
+    interleave than after per-element loads (H200, BENCHMARKS.md session 12), unlike uniform values (1.2-1.3x
+    faster)."""
     BLOCK_N: tl.constexpr = n_mask.shape[0]
     HEAD_DIM_PAD: tl.constexpr = d.shape[0]
-    if (BITS == 4) & (HEAD_DIM % 2 == 0):
+    if (BITS == 4) & (HEAD_DIM % 2 == 0) & EXPAND_NIBBLES:
         b = tl.arange(0, HEAD_DIM_PAD // 2)
         byte_mask = n_mask[:, None] & (b[None, :] < HEAD_DIM // 2)
         byte = tl.load(slot_ptr[:, None] + b[None, :], mask=byte_mask, other=0).to(tl.int32)
@@ -183,7 +187,7 @@ def tile_scores(q, q_lo, head_ptr, slot_off, d, n_mask, kv_mask, centroids_ptr, 
         s = mma(q, tl.trans(k), UPCAST)
     else:
         slot_ptr = head_ptr + slot_off  # [BLOCK_N]
-        codes = tile_codes(slot_ptr, n_mask, d, kv_mask, KEY_BITS, KEY_CODE_BYTES, HEAD_DIM)
+        codes = tile_codes(slot_ptr, n_mask, d, kv_mask, KEY_BITS, KEY_CODE_BYTES, HEAD_DIM, False)
         c = tl.load(centroids_ptr + codes, mask=kv_mask, other=0.0)  # [BLOCK_N, HEAD_DIM_PAD]
         c_norm = tl.sqrt(reduce_sum(c * c, 1))
         norm = load_fp16(slot_ptr + KEY_CODE_BYTES, n_mask, FP16_ALIGNED).to(ACC_DTYPE)

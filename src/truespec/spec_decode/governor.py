@@ -8,12 +8,17 @@ with async scheduling steps overlap, and the interval between step completions i
 it emitted and its number of requests; the governor keeps, per batch-size bucket, decayed estimates of tokens per
 request-second with drafting on and with drafting off, and lets a bucket's steps draft only while that pays.
 
-- Buckets are powers of two of the running requests (1, 2-3, 4-7, ...): whether drafting pays moves with the
-  batch's scale (memory-bound decode -> compute-bound verify), not with one request more or less; doubling buckets
-  keep them few (9 up to 256 requests), so each is measured often. Within a bucket, rates are per request (tokens
-  / (requests x seconds)): where a step's time hardly depends on the batch (memory-bound), that compares samples of
-  different sizes fairly; where it grows with the batch, samples of different sizes differ by up to their size
-  ratio (under 2 in a bucket); the decay keeps both estimates recent, so mostly measured at similar sizes.
+- Buckets are centred on the powers of two of the running requests (1, 2, 3-5, 6-11, ..., 46-90, 91-181: the
+  nearest power of two on a log scale): whether drafting pays moves with the batch's scale (memory-bound decode ->
+  compute-bound verify), not with one request more or less; doubling buckets keep them few (9 up to 256 requests),
+  so each is measured often. Centred, because a full batch hovers just under its ``max_num_seqs``, usually a power
+  of two (63 / 64 while requests finish and others join), and a step whose neighbours ran in another bucket is
+  never counted (below): edges there would leave such a batch unmeasured. A step also stays in the previous step's
+  bucket while its count is within ``BUCKET_SLACK`` (log2 units) past that bucket's edge. Within a bucket, rates are
+  per request (tokens / (requests x seconds)): where a step's time hardly depends on the batch (memory-bound), that
+  compares samples of different sizes fairly; where it grows with the batch, samples of different sizes differ by
+  up to their size ratio (under 2 in a bucket); the decay keeps both estimates recent, so mostly measured at
+  similar sizes.
 - A sample counts only when the step and both its neighbours ran in the same bucket and mode: a step's interval
   holds its own verify and the drafting for the next one (or, queued ahead, the previous step's tail), so the
   steps beside a switch mix both modes. Steps with a prefill chunk (or a preempted request's recompute) are not
@@ -37,6 +42,7 @@ never depends on drafts, so the governor changes no token. A random request's dr
 timing (llm_engine._draft_gate). Plain Python; the clock is injected (tests feed synthetic step times).
 """
 
+import math
 import time
 from collections.abc import Callable
 
@@ -46,17 +52,24 @@ EXPLORE_STEPS = 4  # counted samples of a mode per measurement
 CLEAR_LOSS, CLEAR_LOSS_STEPS = 0.8, 2  # a measurement ends after 2 samples if this far behind (or 1/0.8 ahead)
 EXPLORE_INTERVAL_MIN, EXPLORE_INTERVAL_MAX = 32, 256  # counted samples between two measurements of the other mode
 MAX_COST_RATIO = 4  # ... times how many times longer its steps take (at most this): measuring costs less time
+BUCKET_SLACK = 0.25  # a step stays in the previous step's bucket this far (log2) past its edge: 46-90 keeps 39-107
 
 Decision = tuple[int, bool]  # (bucket, drafting) given to a step
 
 
 def bucket_of(num_requests: int) -> int:
-    """0 for 1 request, 1 for 2-3, 2 for 4-7, ..."""
-    return max(num_requests, 1).bit_length() - 1
+    """The nearest power of two's exponent on a log scale: 0 for 1 request, 1 for 2, 2 for 3-5, 3 for 6-11, ...
+    (log2 of a count is never exactly halfway)."""
+    return round(math.log2(max(num_requests, 1)))
+
+
+def is_near_bucket(num_requests: int, bucket: int) -> bool:
+    """Whether a step of ``num_requests`` may stay in ``bucket``: within BUCKET_SLACK past its edges."""
+    return abs(math.log2(max(num_requests, 1)) - bucket) <= 0.5 + BUCKET_SLACK
 
 
 def bucket_name(bucket: int) -> str:
-    lo, hi = 1 << bucket, (2 << bucket) - 1
+    lo, hi = max(1, math.ceil(2 ** (bucket - 0.5))), math.floor(2 ** (bucket + 0.5))
     return f"{lo}" if lo == hi else f"{lo}-{hi}"
 
 
@@ -109,7 +122,8 @@ class SpeculationGovernor:
     def is_drafting(self, num_running: int) -> bool:
         """Whether the next step drafts, with ``num_running`` requests running. The same answer until the next
         ``observe_step``: the engine asks it (per request) while planning the step after the one it reports next."""
-        bucket = bucket_of(num_running)
+        last = self._cur or self._prev  # the bucket of the step now running (or of the one before it)
+        bucket = last[0] if last is not None and is_near_bucket(num_running, last[0]) else bucket_of(num_running)
         b = self._buckets.get(bucket)
         mode = b is None or b.mode  # a bucket not measured yet drafts (as configured)
         self._next = (bucket, mode)
@@ -125,7 +139,7 @@ class SpeculationGovernor:
         if cur is not None and not cur[1]:
             self.num_steps_off += 1
         if last is None or now <= last or not is_decode_only or cur is None or not prev == cur == nxt \
-                or bucket_of(num_requests) != cur[0]:
+                or not is_near_bucket(num_requests, cur[0]):
             return
         self._learn(cur[0], cur[1], num_tokens, num_requests * (now - last))
 
