@@ -59,7 +59,8 @@ def measure(llm: LLM, prompts: list[str], batch_size: int, max_tokens: int) -> d
             "steps_without_drafts": (after["num_steps_without_drafts"] - before["num_steps_without_drafts"]) / steps
             if steps else None,
             "steps_drafting_off": (after["num_steps_drafting_off"] - before["num_steps_drafting_off"]) / steps
-            if steps else None, "governor_drafting": after["governor_drafting"]}
+            if steps else None, "governor_drafting": after["governor_drafting"],
+            "governor_rates": after["governor_rates"]}
 
 
 def main() -> None:

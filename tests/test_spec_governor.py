@@ -103,8 +103,13 @@ def test_slower_drafting_is_turned_off_soon_and_stays_mostly_off() -> None:
     late = modes[1000:]
     assert sum(late) <= 0.03 * len(late)  # ... and rarer as drafting keeps losing
     # the first step ran before any decision (in the engine, a prefill)
-    assert steps.governor.as_dict() == {"num_steps_drafting_off": len(modes) - sum(modes) - 1,
-                                        "governor_drafting": {"6-11": False}}
+    metrics = steps.governor.as_dict()
+    assert {k: metrics[k] for k in ("num_steps_drafting_off", "governor_drafting")} == {
+        "num_steps_drafting_off": len(modes) - sum(modes) - 1, "governor_drafting": {"6-11": False}}
+    # the estimates it decided by, per request-second: drafting round(8 x 1.05) tokens / (8 x 1.5 s), not drafting
+    # 8 / (8 x 1 s)
+    rates = metrics["governor_rates"]["6-11"]
+    assert rates["drafting"] == pytest.approx(8 / 12) and rates["not_drafting"] == pytest.approx(1.0)
 
 
 def test_paying_drafting_stays_on_apart_from_exploration() -> None:

@@ -181,6 +181,13 @@ class SpeculationGovernor:
             b.switch(other)
 
     def as_dict(self) -> dict[str, object]:
-        """Metrics: ``num_steps_drafting_off`` and, per bucket measured, whether it chose drafting."""
+        """Metrics: ``num_steps_drafting_off``; per bucket measured, whether it chose drafting and its estimates
+        (tokens per request-second with and without drafts; None before a first sample)."""
+        def rate(b: _Bucket, mode: bool) -> float | None:
+            return b.rate(mode) if b.weights[mode] else None
+
+        buckets = sorted(self._buckets.items())
         return {"num_steps_drafting_off": self.num_steps_off,
-                "governor_drafting": {bucket_name(k): b.chosen for k, b in sorted(self._buckets.items())}}
+                "governor_drafting": {bucket_name(k): b.chosen for k, b in buckets},
+                "governor_rates": {bucket_name(k): {"drafting": rate(b, True), "not_drafting": rate(b, False)}
+                                   for k, b in buckets}}
