@@ -22,7 +22,7 @@ from truespec.ops.attention import (
     reshape_and_cache_ref,
     store_packed_ref,
 )
-from truespec.ops.attention_batched import paged_attention_batched
+from truespec.ops.attention_batched import StepAttentionRows, paged_attention_batched
 
 
 class PagedAttention(nn.Module):
@@ -86,7 +86,12 @@ class PagedAttention(nn.Module):
         the reference that follows the kernels' tiles and splits."""
         if self.sparse_v is not None:
             return paged_attention_ref(q, self.kv_cache, *meta, self.scale, decode=decode, sparse_v=self.sparse_v)
-        return paged_attention_batched(q, self.kv_cache, *meta, self.scale, decode=decode)
+        ctx = get_forward_context()
+        key = f"attention_rows_{self.kv_cache.shape[-3]}_{self.num_heads // self.num_kv_heads}"
+        if key not in ctx.host_cache:  # one per step (and block size, group size), shared by the layers
+            ctx.host_cache[key] = StepAttentionRows.of(*meta, self.kv_cache.shape[-3],
+                                                       self.num_heads // self.num_kv_heads)  # fmt: skip
+        return paged_attention_batched(q, self.kv_cache, *meta, self.scale, decode=decode, rows=ctx.host_cache[key])
 
     def extra_repr(self) -> str:
         return f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}"
