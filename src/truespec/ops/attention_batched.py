@@ -35,8 +35,8 @@ class GroupRows:
     is_row: torch.Tensor  # [R, L] not padding
     out_rows: torch.Tensor  # [num real rows] ``rows[is_row]``: where the results go
     is_masked: torch.Tensor  # [R, 1, L * G, S]: row l * G + g (query head h * G + g) may not see key s
-    kv_slots: torch.Tensor  # [R, S] flat cache slot of each key position (0 past the request's keys)
-    is_pad_key: torch.Tensor | None  # [R, S, 1, 1] positions past the request's keys (values zeroed); None: none
+    kv_slots: torch.Tensor  # [R * S] flat cache slot of each key position (0 past the request's keys)
+    pad_keys: torch.Tensor | None  # indices into kv_slots of positions past the request's keys (values zeroed)
     first_row: int | None  # no padding row, ``rows`` = first_row, first_row + 1, ..: q's rows are a slice of it
 
 
@@ -77,23 +77,23 @@ def _group_rows(group: list[int], qsl: list[int], lens: list[int], block_tables:
                           for r, n in zip(group, query_lens, strict=True)])  # fmt: skip
     is_key = torch.arange(num_keys)[None, None, :] < limit[:, :, None]  # [R, L, S]
     is_key = is_key[:, None, :, None, :].expand(-1, 1, -1, group_size, -1).reshape(len(group), 1, -1, num_keys)
-    kv_slots, is_pad_key = _kv_slots(block_tables[group], torch.tensor([lens[r] for r in group]), num_keys,
+    kv_slots, pad_keys = _kv_slots(block_tables[group], torch.tensor([lens[r] for r in group]), num_keys,
                                      block_size)  # fmt: skip
     flat = rows.flatten().tolist()
     first_row = flat[0] if flat == list(range(flat[0], flat[0] + len(flat))) and bool(is_row.all()) else None
-    return GroupRows(len(group), num_rows, rows, is_row, rows[is_row], ~is_key, kv_slots, is_pad_key, first_row)
+    return GroupRows(len(group), num_rows, rows, is_row, rows[is_row], ~is_key, kv_slots, pad_keys, first_row)
 
 
 def _kv_slots(block_tables: torch.Tensor, seq_lens: torch.Tensor, num_keys: int,
               block_size: int) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
-    """The flat cache slot of each request's key positions 0 .. num_keys - 1 ([R, S], 0 at or past its
-    ``seq_lens``), and those padding positions ([R, S, 1, 1]; None when there are none)."""
+    """The flat cache slot of each request's key positions 0 .. num_keys - 1 ([R * S], 0 at or past its
+    ``seq_lens``), and where those padding positions are in it (None when there are none)."""
     positions = torch.arange(num_keys)
     is_key = positions[None, :] < seq_lens[:, None]  # [R, S]
     blocks = (positions // block_size).clamp(max=block_tables.shape[1] - 1)
     slots = block_tables[:, blocks] * block_size + positions % block_size
-    slots = torch.where(is_key, slots, 0)
-    return slots, None if bool(is_key.all()) else ~is_key[:, :, None, None]
+    slots = torch.where(is_key, slots, 0).flatten()
+    return slots, None if bool(is_key.all()) else (~is_key).flatten().nonzero().flatten()
 
 
 def paged_attention_batched(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: torch.Tensor,
@@ -125,7 +125,7 @@ def _attend_group(q: torch.Tensor, kv_cache: torch.Tensor, group: GroupRows, sca
     group_size = num_heads // num_kv_heads
     # [R, L, H, D] -> [R, H_kv, L * G, D]: row l * G + g of kv head h is query head h * G + g at offset l
     first, is_dense = group.first_row, group.first_row is not None and q.is_contiguous()
-    qr = q[first:first + num_reqs * num_rows] if is_dense else q[group.rows]  # a view, or the gathered copy
+    qr = q[first:first + num_reqs * num_rows] if is_dense else q.index_select(0, group.rows.flatten())  # view / copy
     qg = as_dtype(qr, cdt).view(num_reqs, num_rows, num_kv_heads, group_size, head_dim)
     qg = qg.permute(0, 2, 1, 3, 4).reshape(num_reqs, num_kv_heads, num_rows * group_size, head_dim)
     # tile-major and contiguous ([tiles, R, H_kv, D, TILE] and [tiles, R, H_kv, TILE, D]): every matmul below sees
@@ -159,16 +159,20 @@ def _online_softmax(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, i
 
 def _gather_kv(kv_cache: torch.Tensor, group: GroupRows,
                decode: SlotDecoder | None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """Keys and values of positions 0 .. S - 1 of each request of ``group`` ([R, S, H_kv, D] each). Positions at or
-    past a request's keys read slot 0, which may hold anything, NaN included: their values are zeroed (p = 0 times
-    a NaN would be NaN); their keys are not, since every row masks them (a score is one key's dot product, and
-    masked_fill replaces it by -inf whatever it was)."""
-    slots = group.kv_slots
+    """Keys and values of positions 0 .. S - 1 of each request of ``group`` ([R, S, H_kv, D] each), gathered as whole
+    slots (index_select). Positions at or past a request's keys read slot 0, which may hold anything, NaN included:
+    their values are zeroed (p = 0 times a NaN would be NaN); their keys are not, since every row masks them (a score
+    is one key's dot product, and masked_fill replaces it by -inf whatever it was)."""
+    slots, num_kv_heads = group.kv_slots, kv_cache.shape[-2]
     if decode is not None:
-        flat = kv_cache.view(-1, *kv_cache.shape[-2:])[slots.flatten()]
-        keys, values = (x.view(*slots.shape, *x.shape[1:]) for x in decode(flat))
+        keys, values = decode(kv_cache.view(-1, *kv_cache.shape[-2:]).index_select(0, slots))  # [R * S, H_kv, D]
+        if group.pad_keys is not None:
+            values = values.index_fill(0, group.pad_keys, 0)
     else:
-        num_kv_heads, head_dim = kv_cache.shape[-2:]
-        keys = kv_cache[0].view(-1, num_kv_heads, head_dim)[slots]  # [R, S, H_kv, D]
-        values = kv_cache[1].view(-1, num_kv_heads, head_dim)[slots]
-    return keys, values if group.is_pad_key is None else values.masked_fill(group.is_pad_key, 0)
+        slot_size = num_kv_heads * kv_cache.shape[-1]
+        keys = kv_cache[0].view(-1, slot_size).index_select(0, slots)  # [R * S, H_kv * D]
+        values = kv_cache[1].view(-1, slot_size).index_select(0, slots)
+        if group.pad_keys is not None:
+            values.index_fill_(0, group.pad_keys, 0)  # its own copy
+    shape = (group.num_reqs, slots.numel() // group.num_reqs, num_kv_heads, -1)
+    return keys.reshape(shape), values.reshape(shape)

@@ -88,7 +88,8 @@ def causal_conv1d_batched(x: torch.Tensor, weight: torch.Tensor, conv_state: tor
     inputs = torch.cat([x[:n], windows.transpose(1, 2).reshape(-1, channels)])
     cdt = compute_dtype(x.dtype)  # taps summed in fp32 for 16-bit models (as conv1d does), rounded once
     inputs_c, weight_c = as_dtype(inputs, cdt), as_dtype(weight, cdt)
-    products = (inputs_c[rows.taps] * weight_c.t()).unbind(1)  # K x [n, C]: w_j x_j of tap j, oldest first
+    taps = inputs_c.index_select(0, rows.taps.flatten()).view(n, -1, channels)  # [n, K, C]
+    products = (taps * weight_c.t()).unbind(1)  # K x [n, C]: w_j x_j of tap j, oldest first
     y = products[0]
     for p in products[1:]:  # w_0 x_0 + w_1 x_1 + ..., left to right
         y = y + p
@@ -96,7 +97,8 @@ def causal_conv1d_batched(x: torch.Tensor, weight: torch.Tensor, conv_state: tor
     y = get_activation(activation)(y) if activation else y
     window_rows, window_slots = rows.kept_windows
     if window_slots.numel():
-        conv_state.index_copy_(0, window_slots, inputs[window_rows].transpose(1, 2))
+        kept_windows = inputs.index_select(0, window_rows.flatten()).view(*window_rows.shape, channels)
+        conv_state.index_copy_(0, window_slots, kept_windows.transpose(1, 2))
     if n == x.shape[0]:
         return y
     out = torch.zeros_like(x)
@@ -119,7 +121,7 @@ def gdn_recurrent_batched(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: 
     vc, decay, bc = as_dtype(v[:n], cdt), g[:n].exp(), beta[:n]
     tm = rows.time_major
     if not rows.is_token_order:  # time-major: step t's rows are consecutive
-        qc, kc, vc, decay, bc = qc[tm], kc[tm], vc[tm], decay[tm], bc[tm]
+        qc, kc, vc, decay, bc = (x.index_select(0, tm) for x in (qc, kc, vc, decay, bc))
     # [R, HV, DK, DV] in ``order``: the slots themselves, or a copy of them (every source read before any write)
     states = ssm_state[rows.in_place] if rows.in_place is not None else rows.src(ssm_state)
     outs, start = [], 0
@@ -133,12 +135,12 @@ def gdn_recurrent_batched(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: 
         outs.append((s * qc[now][..., None]).sum(dim=-2))  # q^T S
         if rows.kept[t] is not None and rows.in_place is None:
             positions, dst = rows.kept[t]
-            ssm_state.index_copy_(0, dst, states[positions])
+            ssm_state.index_copy_(0, dst, states[positions] if isinstance(positions, slice)
+                                  else states.index_select(0, positions))  # fmt: skip
     if not outs:
         return torch.zeros(*v.shape, dtype=v.dtype, device=v.device)
     res = as_dtype(torch.cat(outs) if len(outs) > 1 else outs[0], v.dtype)  # [n, HV, DV], time-major
     if rows.is_token_order and n == v.shape[0]:
         return res
     out = torch.zeros(*v.shape, dtype=v.dtype, device=v.device)
-    out[tm] = res
-    return out
+    return out.index_copy_(0, tm, res)
