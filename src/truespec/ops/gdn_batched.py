@@ -124,15 +124,18 @@ def gdn_recurrent_batched(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: 
         qc, kc, vc, decay, bc = (x.index_select(0, tm) for x in (qc, kc, vc, decay, bc))
     # [R, HV, DK, DV] in ``order``: the slots themselves, or a copy of them (every source read before any write)
     states = ssm_state[rows.in_place] if rows.in_place is not None else rows.src(ssm_state)
+    # broadcast views made once, sliced per token step: decay [n, HV, 1, 1], q, k [n, HV, DK, 1], beta [n, HV, 1]
+    decay, qc, kc, bc = decay[..., None, None], qc.unsqueeze(-1), kc.unsqueeze(-1), bc.unsqueeze(-1)
     outs, start = [], 0
     for t, num in enumerate(rows.num_active):
         s, now = states[:num], slice(start, start + num)
         start += num
-        s.mul_(decay[now][..., None, None])
-        kv_mem = (s * kc[now][..., None]).sum(dim=-2)  # k^T S: [num, HV, DV]
-        delta = (vc[now] - kv_mem) * bc[now][..., None]
-        s.add_(kc[now][..., None] * delta[:, :, None, :])
-        outs.append((s * qc[now][..., None]).sum(dim=-2))  # q^T S
+        s.mul_(decay[now])
+        k_now = kc[now]
+        kv_mem = (s * k_now).sum(dim=-2)  # k^T S: [num, HV, DV]
+        delta = (vc[now] - kv_mem) * bc[now]
+        s.add_(k_now * delta.unsqueeze(2))
+        outs.append((s * qc[now]).sum(dim=-2))  # q^T S
         if rows.kept[t] is not None and rows.in_place is None:
             positions, dst = rows.kept[t]
             ssm_state.index_copy_(0, dst, states[positions] if isinstance(positions, slice)
