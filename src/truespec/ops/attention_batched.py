@@ -78,7 +78,7 @@ def _group_rows(group: list[int], qsl: list[int], lens: list[int], block_tables:
     is_key = torch.arange(num_keys)[None, None, :] < limit[:, :, None]  # [R, L, S]
     is_key = is_key[:, None, :, None, :].expand(-1, 1, -1, group_size, -1).reshape(len(group), 1, -1, num_keys)
     kv_slots, pad_keys = _kv_slots(block_tables[group], torch.tensor([lens[r] for r in group]), num_keys,
-                                     block_size)  # fmt: skip
+                                   block_size)  # fmt: skip
     flat = rows.flatten().tolist()
     first_row = flat[0] if flat == list(range(flat[0], flat[0] + len(flat))) and bool(is_row.all()) else None
     return GroupRows(len(group), num_rows, rows, is_row, rows[is_row], ~is_key, kv_slots, pad_keys, first_row)
@@ -87,11 +87,12 @@ def _group_rows(group: list[int], qsl: list[int], lens: list[int], block_tables:
 def _kv_slots(block_tables: torch.Tensor, seq_lens: torch.Tensor, num_keys: int,
               block_size: int) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
     """The flat cache slot of each request's key positions 0 .. num_keys - 1 ([R * S], 0 at or past its
-    ``seq_lens``), and where those padding positions are in it (None when there are none)."""
+    ``seq_lens`` and in a padding request's block -1), and where those padding positions are in it (None when there
+    are none)."""
     positions = torch.arange(num_keys)
-    is_key = positions[None, :] < seq_lens[:, None]  # [R, S]
     blocks = (positions // block_size).clamp(max=block_tables.shape[1] - 1)
     slots = block_tables[:, blocks] * block_size + positions % block_size
+    is_key = (positions[None, :] < seq_lens[:, None]) & (slots >= 0)  # [R, S]
     slots = torch.where(is_key, slots, 0).flatten()
     return slots, None if bool(is_key.all()) else (~is_key).flatten().nonzero().flatten()
 
