@@ -22,7 +22,8 @@ from truespec.ops.attention import (
     reshape_and_cache_ref,
     store_packed_ref,
 )
-from truespec.ops.attention_batched import StepAttentionRows, paged_attention_batched
+from truespec.ops.attention_batched import paged_attention_batched
+from truespec.ops.attention_rows import StepAttentionRows
 
 
 class PagedAttention(nn.Module):
@@ -87,10 +88,10 @@ class PagedAttention(nn.Module):
         if self.sparse_v is not None:
             return paged_attention_ref(q, self.kv_cache, *meta, self.scale, decode=decode, sparse_v=self.sparse_v)
         ctx = get_forward_context()
-        key = f"attention_rows_{self.kv_cache.shape[-3]}_{self.num_heads // self.num_kv_heads}"
-        if key not in ctx.host_cache:  # one per step (and block size, group size), shared by the layers
-            ctx.host_cache[key] = StepAttentionRows.of(*meta, self.kv_cache.shape[-3],
-                                                       self.num_heads // self.num_kv_heads)  # fmt: skip
+        shape = (self.kv_cache.shape[-3], self.num_kv_heads, self.num_heads // self.num_kv_heads)
+        key = f"attention_rows_{shape}"
+        if key not in ctx.host_cache:  # one per step (and block size and heads), shared by the layers
+            ctx.host_cache[key] = StepAttentionRows.of(*meta, *shape)
         return paged_attention_batched(q, self.kv_cache, *meta, self.scale, decode=decode, rows=ctx.host_cache[key])
 
     def extra_repr(self) -> str:
