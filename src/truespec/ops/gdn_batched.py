@@ -89,7 +89,7 @@ def causal_conv1d_batched(x: torch.Tensor, weight: torch.Tensor, conv_state: tor
     cdt = compute_dtype(x.dtype)  # taps summed in fp32 for 16-bit models (as conv1d does), rounded once
     inputs_c, weight_c = as_dtype(inputs, cdt), as_dtype(weight, cdt)
     taps = inputs_c.index_select(0, rows.taps.flatten()).view(n, -1, channels)  # [n, K, C]
-    products = (taps * weight_c.t()).unbind(1)  # K x [n, C]: w_j x_j of tap j, oldest first
+    products = (taps * weight_c.t().contiguous()).unbind(1)  # K x [n, C]: w_j x_j of tap j, oldest first
     y = products[0]
     for p in products[1:]:  # w_0 x_0 + w_1 x_1 + ..., left to right
         y = y + p
@@ -98,7 +98,7 @@ def causal_conv1d_batched(x: torch.Tensor, weight: torch.Tensor, conv_state: tor
     window_rows, window_slots = rows.kept_windows
     if window_slots.numel():
         kept_windows = inputs.index_select(0, window_rows.flatten()).view(*window_rows.shape, channels)
-        conv_state.index_copy_(0, window_slots, kept_windows.transpose(1, 2))
+        conv_state.index_copy_(0, window_slots, kept_windows.transpose(1, 2).contiguous())  # faster than strided
     if n == x.shape[0]:
         return y
     out = torch.zeros_like(x)
