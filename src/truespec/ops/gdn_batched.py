@@ -3,12 +3,16 @@ ops/gdn.py are the references, request by request, token by token).
 
 ``StepRows`` turns a step's slot metadata (the protocol of state_slots.py) into index tensors once per forward; every
 GDN layer of the step reuses them:
-- the conv reads, for each token, its K taps from the packed inputs and the requests' conv windows (one gather per
-  tap; each output is w_0 x_0 + w_1 x_1 + ... in that order, elementwise, so a row's bits never depend on the batch);
+- the conv reads, for each token, its K taps from the packed inputs and the requests' conv windows (one gather for
+  all taps; each output is w_0 x_0 + w_1 x_1 + ... in that order, elementwise, so a row's bits never depend on the
+  batch);
 - the recurrence runs time-major: step t updates, in place, the states of the requests with more than t query tokens
   (a prefix of the requests sorted by query length), all of them in one set of elementwise ops and sums over d_k,
   the reference's formula (tests/test_cpu_batched_ops.py checks that a request's bits are the same alone and inside
-  batches). k^T S and q^T S as batched matrix products were slower: ~0.2 ms per tiny bmm call on this CPU.
+  batches). A plain decode batch whose requests keep their states in consecutive slots (the usual case) updates those
+  slots where they are, with no gather and no copy back (``StepRows.in_place``). k^T S and q^T S as batched matrix
+  products were slower (~0.2 ms per tiny bmm call on this CPU); ``addcmul_`` for S + k u^T was 2.6x faster than
+  mul + add_ but rounds once (a fused multiply-add), which changes the bits, so it is not used.
 """
 
 from dataclasses import dataclass
