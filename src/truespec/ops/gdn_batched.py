@@ -92,7 +92,7 @@ def causal_conv1d_batched(x: torch.Tensor, weight: torch.Tensor, conv_state: tor
     inputs = torch.cat([x[:n], windows.transpose(1, 2).reshape(-1, channels)])
     cdt = compute_dtype(x.dtype)  # taps summed in fp32 for 16-bit models (as conv1d does), rounded once
     inputs_c, weight_c = as_dtype(inputs, cdt), as_dtype(weight, cdt)
-    taps = inputs_c.index_select(0, rows.taps.flatten()).view(n, -1, channels)  # [n, K, C]
+    taps = inputs_c.index_select(0, rows.taps.flatten()).view(n, weight.shape[1], channels)  # [n, K, C]
     products = (taps * weight_c.t().contiguous()).unbind(1)  # K x [n, C]: w_j x_j of tap j, oldest first
     y = products[0]
     for p in products[1:]:  # w_0 x_0 + w_1 x_1 + ..., left to right
