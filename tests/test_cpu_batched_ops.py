@@ -1,6 +1,8 @@
 """The CPU path's batched ops (ops/attention_batched.py, ops/gdn_batched.py) against the request-by-request torch
 references, and a row's bits alone and inside bigger batches (docs/ARCHITECTURE.md invariant 4)."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -122,3 +124,35 @@ def test_batched_gdn_request_is_bitwise_same_alone_and_in_batch(dtype: torch.dty
         assert torch.equal(a_conv, conv[rows]) and torch.equal(a_core, core[rows])
         kept = [s for s in range(dst, dst + n - write_start)] if dst >= 0 else []
         assert torch.equal(a_conv_state[kept], conv_state[kept]) and torch.equal(a_ssm_state[kept], ssm_state[kept])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_batched_gdn_decode_in_own_slots_updates_them_in_place_bitwise(dtype: torch.dtype) -> None:
+    # a plain decode batch whose requests keep their state in their own consecutive source slots: the recurrence runs
+    # on those slots where they are (StepRows.in_place), bitwise the gathered copy's result, and near the reference
+    case = gdn_case([(1, s, s, 0) for s in range(5, 9)], dtype)
+    rows = StepRows.of(StateSlots.from_tensors(*case["meta"]), 4)
+    assert rows.in_place == slice(5, 9)
+    results = []
+    for step_rows in (rows, dataclasses.replace(rows, in_place=None)):
+        ssm_state = case["ssm_state"].clone()
+        core = gdn_recurrent_batched(case["q"], case["k"], case["v"], case["g"], case["beta"], ssm_state, step_rows)
+        results.append((core, ssm_state))
+    (core, ssm_state), (copied_core, copied_state) = results
+    assert torch.equal(core, copied_core) and torch.equal(ssm_state, copied_state)
+    ref_state = case["ssm_state"].clone()
+    ref_core = gdn_recurrent_ref(case["q"], case["k"], case["v"], case["g"], case["beta"], ref_state, *case["meta"])
+    assert_near(core, ref_core, dtype)
+    assert_near(ssm_state, ref_state, dtype)
+
+
+def test_batched_gdn_in_place_only_for_own_consecutive_slots() -> None:
+    def in_place(rows: list[tuple[int, int, int, int]]) -> slice | None:
+        return StepRows.of(StateSlots.from_tensors(*gdn_case(rows, torch.float32)["meta"]), 4).in_place
+
+    assert in_place([(1, 3, 3, 0), (1, 4, 4, 0)]) == slice(3, 5)
+    assert in_place([(1, 4, 4, 0), (1, 3, 3, 0)]) is None  # not ascending
+    assert in_place([(1, 3, 3, 0), (1, 5, 5, 0)]) is None  # a gap
+    assert in_place([(1, 3, 4, 0), (1, 4, 5, 0)]) is None  # kept elsewhere (a verify group's next slot)
+    assert in_place([(2, 3, 3, 0), (1, 5, 5, 0)]) is None  # more than one token
+    assert in_place([(1, -1, 3, 0)]) is None  # from zeros

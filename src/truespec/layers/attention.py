@@ -23,6 +23,7 @@ from truespec.ops.attention import (
     store_packed_ref,
 )
 from truespec.ops.attention_batched import paged_attention_batched
+from truespec.ops.attention_rows import StepAttentionRows
 
 
 class PagedAttention(nn.Module):
@@ -86,7 +87,12 @@ class PagedAttention(nn.Module):
         the reference that follows the kernels' tiles and splits."""
         if self.sparse_v is not None:
             return paged_attention_ref(q, self.kv_cache, *meta, self.scale, decode=decode, sparse_v=self.sparse_v)
-        return paged_attention_batched(q, self.kv_cache, *meta, self.scale, decode=decode)
+        ctx = get_forward_context()
+        shape = (self.kv_cache.shape[-3], self.num_kv_heads, self.num_heads // self.num_kv_heads)
+        key = f"attention_rows_{shape}"
+        if key not in ctx.host_cache:  # one per step (and block size and heads), shared by the layers
+            ctx.host_cache[key] = StepAttentionRows.of(*meta, *shape)
+        return paged_attention_batched(q, self.kv_cache, *meta, self.scale, decode=decode, rows=ctx.host_cache[key])
 
     def extra_repr(self) -> str:
         return f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}"

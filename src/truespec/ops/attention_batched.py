@@ -1,73 +1,59 @@
 """Causal attention over a paged KV cache for a whole step at once, in torch: the CPU path (``ops/attention.py``'s
 ``paged_attention_ref`` is the reference, one request at a time).
 
-Requests are batched: every request whose query is at most ``MAX_BATCHED_QUERY_LEN`` tokens (decodes, verifies,
-short chunks) in one group, each longer prefill chunk alone. A group's keys are gathered into [R, S, H_kv, D]
-(S: the longest context, padded to whole tiles) and every query row runs an online softmax over tiles of ``TILE``
-keys at fixed absolute positions (0, TILE, 2 TILE, ...). A row's result therefore depends only on its own query
-and keys (docs/ARCHITECTURE.md invariant 4): within a tile its masked keys give p = 0 exactly, tiles past its last
-key change nothing (alpha = 1, p = 0), and the per-tile products and sums were checked to give a row the same bits
-whatever the number of rows and requests beside it (tests/test_cpu_batched_ops.py).
+Requests run in groups (ops/attention_rows.py, which also holds every index the step's layers share). A group's
+keys are gathered tile-major ([tiles, R, H_kv, D, TILE] keys^T, [tiles, R, H_kv, TILE, D] values, positions 0 ..
+S - 1 of each request) and every query row runs an online softmax over tiles of ``TILE`` keys at fixed absolute
+positions (0, TILE, 2 TILE, ...). A row's result therefore depends only on its own query and keys
+(docs/ARCHITECTURE.md invariant 4): within a tile its masked keys give p = 0 exactly, tiles past its last key change
+nothing (alpha = 1, p = 0), and the per-tile products and sums were checked to give a row the same bits whatever the
+number of rows and requests beside it (tests/test_cpu_batched_ops.py).
 """
 
 import torch
 
 from truespec.ops.attention import SlotDecoder
-from truespec.ops.precision import compute_dtype
-
-TILE = 128  # keys per online-softmax tile
-MAX_BATCHED_QUERY_LEN = 16  # longer chunks run alone: padding every request to their length would dominate
+from truespec.ops.attention_rows import TILE, GroupRows, StepAttentionRows
+from truespec.ops.precision import as_dtype, compute_dtype
 
 
 def paged_attention_batched(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: torch.Tensor,
                             seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float,
-                            decode: SlotDecoder | None = None, **_: object) -> torch.Tensor:  # fmt: skip
+                            decode: SlotDecoder | None = None, rows: StepAttentionRows | None = None,
+                            **_: object) -> torch.Tensor:  # fmt: skip
     """``paged_attention_ref``'s arguments and result (rows no request owns: zeros); keyword arguments of the
-    CUDA kernels (``max_workspace_bytes``) are accepted and ignored."""
+    CUDA kernels (``max_workspace_bytes``) are accepted and ignored. ``rows``: the step's ``StepAttentionRows``
+    for this cache's block size and kv heads and q's heads, if the caller keeps them (built here otherwise)."""
+    if rows is None:  # both cache layouts end [.., block_size, num_kv_heads, D or bytes]
+        num_kv_heads = kv_cache.shape[-2]
+        rows = StepAttentionRows.of(query_start_loc, seq_lens, block_tables, kv_cache.shape[-3], num_kv_heads,
+                                    q.shape[1] // num_kv_heads)  # fmt: skip
+    if rows.is_in_order and rows.num_rows == q.shape[0]:  # every row is the group's, in order: no scatter
+        return as_dtype(_attend_group(q, kv_cache, rows.groups[0], scale, decode), q.dtype)
     out = torch.zeros_like(q)
-    qsl, lens = query_start_loc.tolist(), seq_lens.tolist()
-    reqs = [r for r in range(len(lens)) if qsl[r + 1] > qsl[r]]
-    for r in reqs:
-        if lens[r] < qsl[r + 1] - qsl[r]:
-            raise ValueError(f"request {r}: seq_len {lens[r]} < query_len {qsl[r + 1] - qsl[r]}")
-    short = [r for r in reqs if qsl[r + 1] - qsl[r] <= MAX_BATCHED_QUERY_LEN]
-    groups = ([short] if short else []) + [[r] for r in reqs if qsl[r + 1] - qsl[r] > MAX_BATCHED_QUERY_LEN]
-    for group in groups:
-        _attend_group(q, out, kv_cache, block_tables, group, qsl, lens, scale, decode)
+    for group in rows.groups:
+        out[group.out_rows] = _attend_group(q, kv_cache, group, scale, decode).to(out.dtype)
     return out
 
 
-def _attend_group(q: torch.Tensor, out: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
-                  group: list[int], qsl: list[int], lens: list[int], scale: float,
-                  decode: SlotDecoder | None) -> None:  # fmt: skip
-    """Requests ``group`` of the step: their query rows of ``out`` get their attention."""
+def _attend_group(q: torch.Tensor, kv_cache: torch.Tensor, group: GroupRows, scale: float,
+                  decode: SlotDecoder | None) -> torch.Tensor:  # fmt: skip
+    """The attention of ``group``'s real query rows ([num real rows, H, D], in the compute dtype)."""
     num_heads, head_dim = q.shape[1:]
-    query_lens = [qsl[r + 1] - qsl[r] for r in group]
-    num_rows, num_keys = max(query_lens), -(-max(lens[r] for r in group) // TILE) * TILE
-    # query row (request i, offset j): its token row (padding: the request's first row, never written back)
-    rows = [[qsl[r] + (j if j < n else 0) for j in range(num_rows)] for r, n in zip(group, query_lens, strict=True)]
-    is_row = torch.tensor([[j < n for j in range(num_rows)] for n in query_lens])  # [R, L]
-    rows_t = torch.tensor(rows)  # [R, L]
-    # row (i, j) sees keys 0 .. limit - 1 (padding rows: key 0 only, so no row is all -inf)
-    limit = torch.tensor([[lens[r] - n + j + 1 if j < n else 1 for j in range(num_rows)]
-                          for r, n in zip(group, query_lens, strict=True)])  # fmt: skip
-    keys, values = _gather_kv(kv_cache, block_tables[group], torch.tensor([lens[r] for r in group]), num_keys,
-                              decode)  # [R, S, H_kv, D] each, zeros past each request's keys
+    num_reqs, num_rows = group.num_reqs, group.num_rows
     cdt = compute_dtype(q.dtype)
+    keys, values = _tile_major_kv(kv_cache, group, decode, cdt)  # values 0 past a request's keys
     num_kv_heads = keys.shape[2]
     group_size = num_heads // num_kv_heads
     # [R, L, H, D] -> [R, H_kv, L * G, D]: row l * G + g of kv head h is query head h * G + g at offset l
-    qg = q[rows_t].to(cdt).view(len(group), num_rows, num_kv_heads, group_size, head_dim)
-    qg = qg.permute(0, 2, 1, 3, 4).reshape(len(group), num_kv_heads, num_rows * group_size, head_dim)
-    is_key = torch.arange(num_keys)[None, None, :] < limit[:, :, None]  # [R, L, S]
-    is_key = is_key[:, None, :, None, :].expand(-1, 1, -1, group_size, -1).reshape(len(group), 1, -1, num_keys)
-    # tile-major and contiguous ([tiles, R, H_kv, D, TILE] and [tiles, R, H_kv, TILE, D]): every matmul below sees
-    # the same layout whatever R and S are (a transposed or strided operand changed float64 bits with R)
-    keys = keys.to(cdt).view(len(group), -1, TILE, num_kv_heads, head_dim).permute(1, 0, 3, 4, 2).contiguous()
-    values = values.to(cdt).view(len(group), -1, TILE, num_kv_heads, head_dim).permute(1, 0, 3, 2, 4).contiguous()
-    res = _online_softmax(qg, keys, values, ~is_key, scale)  # [R, H_kv, L * G, D]
-    res = res.view(len(group), num_kv_heads, num_rows, group_size, head_dim).permute(0, 2, 1, 3, 4)
-    out[rows_t[is_row]] = res.reshape(len(group), num_rows, num_heads, head_dim)[is_row].to(out.dtype)
+    first, is_dense = group.first_row, group.first_row is not None and q.is_contiguous()
+    qr = q[first:first + num_reqs * num_rows] if is_dense else q.index_select(0, group.rows.flatten())  # view / copy
+    qg = as_dtype(qr, cdt).view(num_reqs, num_rows, num_kv_heads, group_size, head_dim)
+    qg = qg.permute(0, 2, 1, 3, 4).reshape(num_reqs, num_kv_heads, num_rows * group_size, head_dim)
+    res = _online_softmax(qg, keys, values, group.is_masked, scale)  # [R, H_kv, L * G, D]
+    res = res.view(num_reqs, num_kv_heads, num_rows, group_size, head_dim).permute(0, 2, 1, 3, 4)
+    res = res.reshape(num_reqs, num_rows, num_heads, head_dim)
+    return res.flatten(0, 1).contiguous() if group.first_row is not None else res[group.is_row]
 
 
 def _online_softmax(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, is_masked: torch.Tensor,
@@ -89,22 +75,25 @@ def _online_softmax(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, i
     return acc / l[..., None]
 
 
-def _gather_kv(kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor, num_keys: int,
-               decode: SlotDecoder | None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """Keys and values of positions 0 .. num_keys - 1 of each request ([R, num_keys, H_kv, D] each); positions at or
-    past a request's ``seq_lens`` are zeros (their slots may hold anything, NaN included)."""
-    block_size = kv_cache.shape[-3] if decode is None else kv_cache.shape[1]
-    positions = torch.arange(num_keys)
-    is_key = positions[None, :] < seq_lens[:, None]  # [R, S]
-    blocks = (positions // block_size).clamp(max=block_tables.shape[1] - 1)
-    slots = block_tables[:, blocks] * block_size + positions % block_size
-    slots = torch.where(is_key, slots, 0)
-    if decode is not None:
-        flat = kv_cache.view(-1, *kv_cache.shape[-2:])[slots.flatten()]
-        keys, values = (x.view(*slots.shape, *x.shape[1:]) for x in decode(flat))
-    else:
-        num_kv_heads, head_dim = kv_cache.shape[-2:]
-        keys = kv_cache[0].view(-1, num_kv_heads, head_dim)[slots]  # [R, S, H_kv, D]
-        values = kv_cache[1].view(-1, num_kv_heads, head_dim)[slots]
-    keep = is_key[:, :, None, None]
-    return torch.where(keep, keys, 0), torch.where(keep, values, 0)
+def _tile_major_kv(kv_cache: torch.Tensor, group: GroupRows, decode: SlotDecoder | None,
+                   cdt: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """``group``'s keys^T [tiles, R, H_kv, D, TILE] and values [tiles, R, H_kv, TILE, D], contiguous in ``cdt``: every
+    matmul of the tile loop sees the same layout whatever R and S are (a transposed or strided operand changed
+    float64 bits with R). Positions at or past a request's keys read slot 0, which may hold anything, NaN included:
+    their values are zeroed (p = 0 times a NaN would be NaN); their keys are not, since every row masks them (a score
+    is one key's dot product, and masked_fill replaces it by -inf whatever it was)."""
+    num_reqs, num_kv_heads = group.num_reqs, kv_cache.shape[-2]
+    if decode is not None:  # a compressed cache: decode whole slots, then lay them out
+        keys, values = decode(kv_cache.view(-1, *kv_cache.shape[-2:]).index_select(0, group.kv_slots))
+        if group.pad_keys is not None:
+            values = values.index_fill(0, group.pad_keys, 0)
+        shape = (num_reqs, -1, TILE, num_kv_heads, keys.shape[-1])  # from [R * S, H_kv, D]
+        keys = as_dtype(keys, cdt).reshape(shape).permute(1, 0, 3, 4, 2).contiguous()
+        return keys, as_dtype(values, cdt).reshape(shape).permute(1, 0, 3, 2, 4).contiguous()
+    head_dim = kv_cache.shape[-1]
+    shape = (-1, num_reqs, num_kv_heads, TILE, head_dim)
+    keys = kv_cache[0].view(-1, head_dim).index_select(0, group.tile_rows).view(shape)  # one row per (slot, head)
+    values = kv_cache[1].view(-1, head_dim).index_select(0, group.tile_rows)  # already tile-major
+    if group.pad_tile_rows is not None:
+        values.index_fill_(0, group.pad_tile_rows, 0)  # its own copy
+    return as_dtype(keys, cdt).transpose(-1, -2).contiguous(), as_dtype(values.view(shape), cdt).contiguous()

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from truespec.ops.precision import compute_dtype
+from truespec.ops.precision import as_dtype, compute_dtype
 from truespec.ops.state_slots import StateSlots, gather_states
 
 L2NORM_EPS = 1e-6  # FLA's and transformers' l2norm eps
@@ -48,8 +48,8 @@ def gdn_gating_ref(
     """a, b [T, HV] (the in_proj_a / in_proj_b outputs), A_log, dt_bias [HV], all in the model dtype.
     Returns (g, beta), each a contiguous [T, HV] in the compute dtype."""
     cdt = compute_dtype(a.dtype)
-    beta = b.sigmoid().to(cdt)
-    g = -A_log.to(cdt).exp() * F.softplus(a.to(cdt) + dt_bias.to(cdt))
+    beta = as_dtype(b.sigmoid(), cdt)
+    g = -as_dtype(A_log, cdt).exp() * F.softplus(as_dtype(a, cdt) + as_dtype(dt_bias, cdt))
     return g.contiguous(), beta.contiguous()
 
 

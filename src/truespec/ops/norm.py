@@ -12,12 +12,12 @@ follows the transformers module it mirrors, because the cast orders round differ
 import torch
 import torch.nn.functional as F
 
-from truespec.ops.precision import compute_dtype
+from truespec.ops.precision import as_dtype, compute_dtype
 
 
 def _rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
     """x * rsqrt(mean(x^2) + eps) over the last dim, in the compute dtype."""
-    h = x.to(compute_dtype(x.dtype))
+    h = as_dtype(x, compute_dtype(x.dtype))
     return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
 
 
@@ -30,11 +30,11 @@ def rms_norm_ref(
     if gate is not None:
         if unit_offset:
             raise ValueError("the gated RMSNorm uses a plain weight (unit_offset=False)")
-        h = weight * h.to(x.dtype)
-        return (h * F.silu(gate.to(compute_dtype(x.dtype)))).to(x.dtype)
+        h = weight * as_dtype(h, x.dtype)
+        return as_dtype(h * F.silu(as_dtype(gate, compute_dtype(x.dtype))), x.dtype)
     if unit_offset:
-        return (h * (1.0 + weight.to(h.dtype))).to(x.dtype)
-    return weight * h.to(x.dtype)
+        return as_dtype(h * (1.0 + as_dtype(weight, h.dtype)), x.dtype)
+    return weight * as_dtype(h, x.dtype)
 
 
 def add_rms_norm_ref(

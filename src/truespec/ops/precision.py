@@ -11,3 +11,9 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     (docs/ARCHITECTURE.md invariant 5) and differs from transformers only by transformers' own float32 error.
     """
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def as_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x.to(dtype)``, without the call when x already has it (the CPU path's hot loops: a no-op ``to`` still
+    costs a dispatch)."""
+    return x if x.dtype == dtype else x.to(dtype)

@@ -52,8 +52,30 @@ class StateSlots:
 
 def gather_states(states: torch.Tensor, src: list[int]) -> torch.Tensor:
     """A copy of slots ``src`` of ``states`` [num_slots, ...]: [len(src), ...], zeros where the slot is -1."""
-    gathered = torch.zeros(len(src), *states.shape[1:], dtype=states.dtype, device=states.device)
-    rows = [i for i, s in enumerate(src) if s >= 0]
-    if rows:
-        gathered[rows] = states[[src[i] for i in rows]]
-    return gathered
+    return SlotGather.of(src)(states)
+
+
+@dataclass(frozen=True)
+class SlotGather:
+    """``gather_states`` for one list of source slots, its index tensors built once: a step's layers all gather
+    from the same slots (ops/gdn_batched.StepRows keeps one per step)."""
+
+    index: torch.Tensor | None  # [R] slot per row (-1 read as slot 0, then zeroed); None: every slot is -1
+    is_zero: torch.Tensor | None  # [R] bool, the rows whose slot is -1; None when no slot is
+    num_rows: int
+
+    @classmethod
+    def of(cls, src: list[int]) -> "SlotGather":
+        if not any(s >= 0 for s in src):
+            return cls(None, None, len(src))
+        is_zero = torch.tensor([s < 0 for s in src]) if min(src) < 0 else None
+        return cls(torch.tensor([max(s, 0) for s in src], dtype=torch.long), is_zero, len(src))
+
+    def __call__(self, states: torch.Tensor) -> torch.Tensor:
+        """[R, ...]: a copy of each row's slot of ``states``, zeros for slot -1."""
+        if self.index is None:
+            return torch.zeros(self.num_rows, *states.shape[1:], dtype=states.dtype, device=states.device)
+        gathered = states.index_select(0, self.index.to(states.device))
+        if self.is_zero is not None:
+            gathered[self.is_zero.to(states.device)] = 0
+        return gathered
