@@ -5,9 +5,9 @@ that is not a ``tl.constexpr`` (the packed attention kernel once read MAX_SPLITS
 op with no lowering for a dtype. ``triton.compile`` with an explicit target runs the whole pipeline, ptxas included,
 on the CPU. The kernels must be defined compiled, so this runs in a subprocess without ``TRITON_INTERPRET``.
 Each cache dtype's attention loop (sparse-V on; off too for the model dtype; a bf16 model's tensor-core tiles, and
-an fp32 model's for two formats; fp16 fields by 16-bit loads, for k3v4_nc also by byte loads) and store kernel, the
-split merge kernel and the model-dtype loop at split caps 16 and 128, and the prefill kernel (model dtype, 4bit_nc),
-at head_dim 256.
+an fp32 model's for two formats; fp16 fields by 16-bit loads, for k3v4_nc also by byte loads; 4bit_nc's keys also
+scored 64 head dims at a time, ``key_dim_chunk``, in both loop forms) and store kernel, the split merge kernel and
+the model-dtype loop at split caps 16 and 128, and the prefill kernel (model dtype, 4bit_nc), at head_dim 256.
 """
 
 import os
@@ -48,7 +48,8 @@ def attention_types(cache, q):
 
 
 layout = dict(HEAD_DIM=D, HEAD_DIM_PAD=D, GROUP=4, GROUP_PAD=16, BLOCK_SIZE=16, BLOCK_N=32, MAX_SPLITS=16,
-              MIN_SPLIT_KEYS=64, ACC_DTYPE=tl.float32, DOT_DTYPE=tl.bfloat16, UPCAST=False)
+              MIN_SPLIT_KEYS=64, ACC_DTYPE=tl.float32, DOT_DTYPE=tl.bfloat16, UPCAST=False, KEY_DIM_CHUNK=D,
+              KEY_DIM_UNROLL=True)
 model = dict(KEY_ENC=0, KEY_BITS=0, KEY_CODE_BYTES=0, VALUE_ENC=0, VALUE_BITS=0, VALUE_CODE_BYTES=0,
              FP16_ALIGNED=False)
 for sparse_v in (False, True):
@@ -65,6 +66,10 @@ for name in ["fp8", "turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc
     for aligned in (True, False) if name == "turboquant_k3v4_nc" else (name != "fp8",):
         compile_kernel(attention._paged_attention_kernel, dict(layout, **encoding, SPARSE_V=True, FP16_ALIGNED=aligned),
                        attention_types("*u8", "*fp32" if fmt.is_rotated else "*bf16"))
+    for unroll in (True, False) if name == "turboquant_4bit_nc" else ():  # keys scored 64 head dims at a time
+        compile_kernel(attention._paged_attention_kernel, dict(layout, **encoding, SPARSE_V=True, FP16_ALIGNED=True,
+                                                               KEY_DIM_CHUNK=64, KEY_DIM_UNROLL=unroll),
+                       attention_types("*u8", "*fp32"))
     if name in ("turboquant_k8v4", "turboquant_4bit_nc"):  # an fp32 model: tiles decoded in fp32, IEEE products
         types = dict(attention_types("*u8", "*fp32"), out_ptr="*fp32")
         compile_kernel(attention._paged_attention_kernel, dict(layout, **encoding, SPARSE_V=True,
@@ -87,7 +92,7 @@ prefill_types = dict(out_ptr="*bf16", q_ptr="*bf16", kv_cache_ptr="*bf16", centr
                      query_start_loc_ptr="*i64", seq_lens_ptr="*i64", block_tables_ptr="*i64", num_rows_ptr="*i64",
                      tile_offsets_ptr="*i64", scale="fp64")
 prefill_layout = dict(HEAD_DIM=D, HEAD_DIM_PAD=D, GROUP=4, GROUP_PAD=4, BLOCK_SIZE=16, BLOCK_M=32, BLOCK_N=64,
-                      ACC_DTYPE=tl.float32, DOT_DTYPE=tl.bfloat16, UPCAST=False)
+                      ACC_DTYPE=tl.float32, DOT_DTYPE=tl.bfloat16, UPCAST=False, KEY_DIM_CHUNK=D, KEY_DIM_UNROLL=True)
 compile_kernel(prefill._prefill_attention_kernel, dict(prefill_layout, **model), prefill_types)
 fmt = FORMATS["turboquant_4bit_nc"]
 compile_kernel(prefill._prefill_attention_kernel, dict(prefill_layout, KEY_ENC=packed.KEY_ENCODINGS[fmt.key_encoding],

@@ -1,4 +1,4 @@
-"""The attention kernels' tile decoding (kernels/kv_tiles.py) reads exactly the packed cache's bits: ``tile_codes``
+"""The attention kernels' tile decoding (kernels/packed_codes.py) reads exactly the packed cache's bits: ``tile_codes``
 gives the codes of the torch bit-stream reference (ops/kv_quant.py ``unpack_codes``) for every code width and head
 dim the packed formats accept (the byte-plane paths, and the per-code fallback for head dims they cannot cover), 0
 in masked lanes; ``load_fp16`` gives the stored fp16 with one 16-bit load or two byte loads; and the kernels take
@@ -16,7 +16,7 @@ from helpers.kernels import DEVICE  # noqa: F401  (before truespec.kernels: sets
 triton = pytest.importorskip("triton")
 tl = triton.language
 
-from truespec.kernels.kv_tiles import load_fp16, tile_codes  # noqa: E402
+from truespec.kernels.packed_codes import load_fp16, tile_codes  # noqa: E402
 from truespec.kernels.paged_attention_packed import packed_cache_tiles  # noqa: E402
 from truespec.kernels.triton_utils import pad_pow2  # noqa: E402
 from truespec.kv_cache.formats import FORMATS  # noqa: E402

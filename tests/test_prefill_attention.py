@@ -19,7 +19,8 @@ triton = pytest.importorskip("triton")
 
 from helpers.attention_rows import attention_batch, packed_batch, packed_reference  # noqa: E402
 from helpers.kernels import GPU_TOL_SCALE, assert_near, assert_padding_zero, gpu, i64, needs_cuda  # noqa: E402
-from truespec.kernels.prefill_attention import prefill_attention  # noqa: E402
+from truespec.kernels.paged_attention_packed import packed_cache_tiles  # noqa: E402
+from truespec.kernels.prefill_attention import prefill_attention, prefill_rows  # noqa: E402
 from truespec.kv_cache.formats import FORMATS  # noqa: E402
 from truespec.ops.attention import paged_attention_ref  # noqa: E402
 
@@ -49,6 +50,18 @@ def test_prefill_over_packed_cache_matches_reference(name: str, dtype: torch.dty
     out = prefill_attention(*args, fmt=fmt, config=(8, 16, 4, 1))
     assert_near(out, packed_reference(args, fmt, 16)[0], dtype)
     assert_padding_zero(out)
+
+
+def test_prefill_lloyd_max_key_dim_chunk_matches_reference() -> None:
+    """A chunked Lloyd-Max key tile (kernels/kv_tiles.py ``key_dim_chunk``) reads each row's q in the prefill
+    kernel too (BLOCK_M tokens x the GQA group as rows)."""
+    fmt = FORMATS["turboquant_3bit_nc"]
+    args = packed_batch(fmt, [(0, 21), (9, 12), (30, 1)], 4, 2, 32, 8, torch.bfloat16, seed=4)
+    q, cache, qsl, seq_lens, tables, scale = args
+    q_in, tiles = packed_cache_tiles(q, cache, fmt, 32, key_dim_chunk=16)
+    num_rows = qsl[1:] - qsl[:-1]
+    out = prefill_rows(q_in, tiles, qsl, seq_lens, tables, num_rows, scale, torch.zeros_like(q), (8, 16, 4, 1))
+    assert_near(out, packed_reference(args, fmt, 32)[0], torch.bfloat16)
 
 
 def chunked_rows(args: tuple, length: int, cuts: list[int], other: int, **kwargs: object) -> list[torch.Tensor]:

@@ -9,23 +9,25 @@ The encoding of keys and of values is a compile-time constant, so each cache dty
   before the packed formats shared this loop.
 - ``FP8`` keys / values: HEAD_DIM float8_e4m3fn bytes, widened exactly (scale 1.0, as the reference).
 - ``LLOYD_MAX`` keys (``turboquant_*_nc``): the wrapper rotates q once (q @ H); the tile's codes are unpacked from
-  the little-endian bit stream (``tile_codes``), each centroid looked up in a small table, and the score is
-  ``<q_rot, c> * norm / ||c||`` (norm correction): keys are never rotated back.
+  the little-endian bit stream (kernels/packed_codes.py ``tile_codes``), each centroid looked up in a small table,
+  and the score is ``<q_rot, c> * norm / ||c||`` (norm correction): keys are never rotated back.
 - ``UNIFORM`` values: codes unpacked the same way, ``v = code * scale + zero`` (fp16 scale / zero).
 
-Unpacking loads each code byte of the tile once, from contiguous addresses, and expands the codes in registers:
-4-bit codes as [BLOCK_N, HEAD_DIM_PAD / 2] bytes split into nibbles, 3-bit codes as three byte planes
-[BLOCK_N, HEAD_DIM_PAD / 8] forming 24-bit words of 8 codes, both interleaved back to [BLOCK_N, HEAD_DIM_PAD] with
-``tl.join`` + ``tl.reshape`` (head dims whose codes do not fill whole bytes / words take a per-code path). An fp16
-norm / scale / zero is one 16-bit load where the host proved every such address even (``FP16_ALIGNED``,
-paged_attention_packed.py ``is_fp16_aligned``: each preset's contiguous cache at power-of-two head dims >= 16), else
-two byte loads. Only how bytes are loaded differs between these paths: the decoded values are the same bits.
+``KEY_DIM_CHUNK`` (compile-time, Lloyd-Max keys only; paged_attention_packed.py ``key_dim_chunk``): the default,
+HEAD_DIM_PAD, decodes and scores a key tile's whole head at once (int32 codes, fp32 centroids and their 16-bit
+halves, all [BLOCK_N, HEAD_DIM_PAD], live together); a smaller power of two >= 16 walks the head dims in chunks of
+that many, re-reading the rotated q's columns from memory each time, to bound the registers a tile needs (issue 14:
+the suspected cause of the Lloyd-Max presets' slowness at head_dim 256). ``KEY_DIM_UNROLL`` picks the chunk loop's
+form: unrolled (``tl.static_range``: the compiler may still hoist later chunks' loads) or a runtime loop (one chunk
+at a time; ptxas for sm_90 also reports 2-6x less shared memory than unrolled). The chunked sum runs in another
+order, so it gives other bits; like BLOCK_N and the warps both are per-model constants, never chosen by the batch
+(invariant 4), and untuned (``--tune`` of benchmarks/packed_attention_speed.py sweeps them).
 
-Packed slots (kv_cache/formats.py) hold the key part then the value part, multi-byte fields little-endian; decoded
-tiles are never written back. For 16-bit models (DOT_DTYPE bf16 / fp16) every product runs on the tensor cores
-with operands that are exact in 16 bits (fp8 bytes, value codes) or split in two 16-bit halves (the rotated q and
-the Lloyd-Max centroids); fp32 and fp64 models decode tiles in the accumulator dtype and multiply in IEEE fp32 /
-fp64 (``DOT_DTYPE`` is then the accumulator dtype).
+Packed slots are read field by field by kernels/packed_codes.py; decoded tiles are never written back. For 16-bit
+models (DOT_DTYPE bf16 / fp16) every product runs on the tensor cores with operands that are exact in 16 bits (fp8
+bytes, value codes) or split in two 16-bit halves (the rotated q and the Lloyd-Max centroids); fp32 and fp64 models
+decode tiles in the accumulator dtype and multiply in IEEE fp32 / fp64 (``DOT_DTYPE`` is then the accumulator
+dtype).
 """
 
 from typing import NamedTuple
@@ -34,11 +36,12 @@ import torch
 import triton
 import triton.language as tl
 
+from truespec.kernels.packed_codes import load_fp8, load_fp16, tile_codes
 from truespec.kernels.triton_utils import mma, reduce_max, reduce_sum
 
 MODEL, FP8, LLOYD_MAX, UNIFORM = 0, 1, 2, 3  # tile encodings (KEY_ENC / VALUE_ENC), as the host passes them
 # the same, readable inside @triton.jit code (compiled kernels may read only constexpr globals)
-ENC_MODEL, ENC_FP8 = tl.constexpr(MODEL), tl.constexpr(FP8)
+ENC_MODEL, ENC_FP8, ENC_LLOYD_MAX = tl.constexpr(MODEL), tl.constexpr(FP8), tl.constexpr(LLOYD_MAX)
 
 
 class CacheTiles(NamedTuple):
@@ -51,75 +54,8 @@ class CacheTiles(NamedTuple):
     strides: tuple[int, int, int]  # block, slot, kv head
     value_offset: int  # from a slot's key to its value: the K / V plane stride, or a packed slot's key bytes
     centroids: torch.Tensor  # Lloyd-Max centroid table in the accumulator dtype (unread for other keys)
-    encoding: dict[str, int]  # KEY_ENC, KEY_BITS, KEY_CODE_BYTES, VALUE_ENC, VALUE_BITS, VALUE_CODE_BYTES,
-    # FP16_ALIGNED
-
-
-@triton.jit
-def tile_codes(slot_ptr, n_mask, d, kv_mask, BITS: tl.constexpr, NUM_BYTES: tl.constexpr, HEAD_DIM: tl.constexpr,
-               EXPAND_NIBBLES: tl.constexpr = True):  # fmt: skip
-    """The codes [BLOCK_N, HEAD_DIM_PAD] (int32, 0 where ``kv_mask`` is off) of the slots whose packed bit streams
-    (NUM_BYTES bytes each) start at ``slot_ptr`` [BLOCK_N]. Each code byte is loaded once, from contiguous addresses,
-    and expanded in registers: 4-bit codes as [BLOCK_N, HEAD_DIM_PAD / 2] bytes, code 2i the low nibble of byte i
-    and 2i + 1 the high one; 3-bit codes as three byte planes [BLOCK_N, HEAD_DIM_PAD / 8] (bytes 3g, 3g + 1, 3g + 2
-    hold codes 8g .. 8g + 7 as one 24-bit little-endian word). Both interleave with ``tl.join`` + ``tl.reshape``.
-    Head dims these cannot cover (odd for 4-bit, not a multiple of 8 for 3-bit) take ``unpack_codes``, and so do
-    4-bit codes with EXPAND_NIBBLES off: Lloyd-Max keys, whose centroid gather ran 1.4x slower after the nibble
-    interleave than after per-element loads (H200, BENCHMARKS.md session 12), unlike uniform values (1.2-1.3x
-    faster)."""
-    BLOCK_N: tl.constexpr = n_mask.shape[0]
-    HEAD_DIM_PAD: tl.constexpr = d.shape[0]
-    if (BITS == 4) & (HEAD_DIM % 2 == 0) & EXPAND_NIBBLES:
-        b = tl.arange(0, HEAD_DIM_PAD // 2)
-        byte_mask = n_mask[:, None] & (b[None, :] < HEAD_DIM // 2)
-        byte = tl.load(slot_ptr[:, None] + b[None, :], mask=byte_mask, other=0).to(tl.int32)
-        return tl.reshape(tl.join(byte & 15, byte >> 4), [BLOCK_N, HEAD_DIM_PAD])
-    elif (BITS == 3) & (HEAD_DIM % 8 == 0):
-        g = tl.arange(0, HEAD_DIM_PAD // 8)
-        group_mask = n_mask[:, None] & (g[None, :] < HEAD_DIM // 8)
-        group_ptr = slot_ptr[:, None] + 3 * g[None, :]
-        word = tl.load(group_ptr, mask=group_mask, other=0).to(tl.int32)
-        word |= tl.load(group_ptr + 1, mask=group_mask, other=0).to(tl.int32) << 8
-        word |= tl.load(group_ptr + 2, mask=group_mask, other=0).to(tl.int32) << 16
-        # code 4a + 2b + c of a group (bits [3 (4a + 2b + c), +3) of the word) at [..., a, b, c]: join stacks on a
-        # new last axis, so the outermost join picks c, the innermost a
-        even = tl.join(tl.join(word & 7, (word >> 12) & 7), tl.join((word >> 6) & 7, (word >> 18) & 7))
-        odd = tl.join(tl.join((word >> 3) & 7, (word >> 15) & 7), tl.join((word >> 9) & 7, (word >> 21) & 7))
-        return tl.reshape(tl.join(even, odd), [BLOCK_N, HEAD_DIM_PAD])
-    else:
-        return unpack_codes(slot_ptr[:, None], d[None, :], kv_mask, BITS, NUM_BYTES)
-
-
-@triton.jit
-def unpack_codes(base_ptr, idx, mask, BITS: tl.constexpr, NUM_BYTES: tl.constexpr):
-    """Codes ``idx`` (any int tensor) of a packed little-endian bit stream at ``base_ptr`` (NUM_BYTES bytes),
-    as int32, one or two byte loads per code (``tile_codes``' fallback): code j is bits [j * BITS, (j + 1) * BITS);
-    a 3-bit code may straddle two bytes."""
-    bit = idx * BITS
-    byte = bit // 8
-    lo = tl.load(base_ptr + byte, mask=mask, other=0).to(tl.int32)
-    if 8 % BITS == 0:  # 4- and 8-bit codes never straddle a byte: one load
-        return (lo >> (bit % 8)) & ((1 << BITS) - 1)
-    hi = tl.load(base_ptr + byte + 1, mask=mask & (byte + 1 < NUM_BYTES), other=0).to(tl.int32)
-    return ((lo | (hi << 8)) >> (bit % 8)) & ((1 << BITS) - 1)
-
-
-@triton.jit
-def load_fp16(ptr, mask, IS_EVEN: tl.constexpr):
-    """A little-endian fp16 at byte address ``ptr``, widened to fp32: one 16-bit load where every address is even
-    (``IS_EVEN``), else two byte loads."""
-    if IS_EVEN:
-        bits = tl.load(ptr.to(tl.pointer_type(tl.uint16)), mask=mask, other=0)
-    else:
-        lo = tl.load(ptr, mask=mask, other=0).to(tl.uint16)
-        bits = lo | (tl.load(ptr + 1, mask=mask, other=0).to(tl.uint16) << 8)
-    return bits.to(tl.float16, bitcast=True).to(tl.float32)
-
-
-@triton.jit
-def load_fp8(ptr, mask):
-    """float8_e4m3fn bytes at ``ptr``, widened exactly to fp32 (masked lanes read 0)."""
-    return tl.load(ptr, mask=mask, other=0).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    encoding: dict[str, int]  # KEY_ENC, KEY_BITS, KEY_CODE_BYTES, KEY_DIM_CHUNK, KEY_DIM_UNROLL, VALUE_ENC,
+    # VALUE_BITS, VALUE_CODE_BYTES, FP16_ALIGNED
 
 
 @triton.jit
@@ -171,21 +107,28 @@ def tile_queries(q, KEY_ENC: tl.constexpr, ACC_DTYPE: tl.constexpr, DOT_DTYPE: t
 
 
 @triton.jit
-def tile_scores(q, q_lo, head_ptr, slot_off, d, n_mask, kv_mask, centroids_ptr, KEY_ENC: tl.constexpr,
-                KEY_BITS: tl.constexpr, KEY_CODE_BYTES: tl.constexpr, HEAD_DIM: tl.constexpr,
+def tile_scores(q, q_lo, q_rows, q_row_mask, head_ptr, slot_off, d, n_mask, kv_mask, centroids_ptr,
+                KEY_ENC: tl.constexpr, KEY_BITS: tl.constexpr, KEY_CODE_BYTES: tl.constexpr,
+                KEY_DIM_CHUNK: tl.constexpr, KEY_DIM_UNROLL: tl.constexpr, HEAD_DIM: tl.constexpr,
                 FP16_ALIGNED: tl.constexpr, ACC_DTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr,
                 UPCAST: tl.constexpr):  # fmt: skip
     """Unscaled scores [GROUP_PAD, BLOCK_N] of (q, q_lo) [GROUP_PAD, HEAD_DIM_PAD] (``tile_queries``) against the
     keys of the tile's slots, which start ``slot_off`` [BLOCK_N] elements (bytes for a packed cache) past
     ``head_ptr``. On the tensor cores (DOT_DTYPE 16-bit): fp8 keys widen exactly to DOT_DTYPE; Lloyd-Max centroids
-    (fp32) are split like q and scored as hi.hi + hi.lo + lo.hi (the lo.lo term is below fp32's last bits)."""
+    (fp32) are split like q and scored as hi.hi + hi.lo + lo.hi (the lo.lo term is below fp32's last bits).
+    Lloyd-Max keys with KEY_DIM_CHUNK below HEAD_DIM_PAD take ``chunked_lloyd_max_scores``, which reads the query
+    rows from memory (``q_rows``: each row's pointer to its dim 0, live where ``q_row_mask``)."""
     if KEY_ENC == ENC_MODEL:
         k = tl.load(head_ptr + (slot_off[:, None] + d[None, :]), mask=kv_mask, other=0.0)  # [BLOCK_N, HEAD_DIM_PAD]
         s = mma(q, tl.trans(k), UPCAST)
     elif KEY_ENC == ENC_FP8:
         k = load_fp8(head_ptr + (slot_off[:, None] + d[None, :]), kv_mask).to(q.dtype)
         s = mma(q, tl.trans(k), UPCAST)
-    else:
+    elif d.shape[0] > KEY_DIM_CHUNK:  # Lloyd-Max keys, a chunk of the head dims at a time
+        s = chunked_lloyd_max_scores(q_rows, q_row_mask, head_ptr + slot_off, n_mask, centroids_ptr, KEY_BITS,
+                                     KEY_CODE_BYTES, KEY_DIM_CHUNK, KEY_DIM_UNROLL, HEAD_DIM, FP16_ALIGNED, ACC_DTYPE,
+                                     DOT_DTYPE, UPCAST)  # fmt: skip
+    else:  # Lloyd-Max keys, the whole head at once
         slot_ptr = head_ptr + slot_off  # [BLOCK_N]
         codes = tile_codes(slot_ptr, n_mask, d, kv_mask, KEY_BITS, KEY_CODE_BYTES, HEAD_DIM, False)
         c = tl.load(centroids_ptr + codes, mask=kv_mask, other=0.0)  # [BLOCK_N, HEAD_DIM_PAD]
@@ -199,6 +142,54 @@ def tile_scores(q, q_lo, head_ptr, slot_off, d, n_mask, kv_mask, centroids_ptr, 
             s = mma(q, tl.trans(c_hi), UPCAST) + mma(q, tl.trans(c_lo), UPCAST) + mma(q_lo, tl.trans(c_hi), UPCAST)
         s = s * weight[None, :]
     return s
+
+
+@triton.jit
+def chunked_lloyd_max_scores(q_rows, q_row_mask, slot_ptr, n_mask, centroids_ptr, KEY_BITS: tl.constexpr,
+                             KEY_CODE_BYTES: tl.constexpr, KEY_DIM_CHUNK: tl.constexpr, KEY_DIM_UNROLL: tl.constexpr,
+                             HEAD_DIM: tl.constexpr, FP16_ALIGNED: tl.constexpr, ACC_DTYPE: tl.constexpr,
+                             DOT_DTYPE: tl.constexpr, UPCAST: tl.constexpr):  # fmt: skip
+    """``tile_scores`` of Lloyd-Max keys whose bit streams start at ``slot_ptr`` [BLOCK_N], the head dims taken
+    KEY_DIM_CHUNK at a time (``lloyd_max_chunk``): unrolled (KEY_DIM_UNROLL: the compiler may overlap the chunks'
+    loads) or a runtime loop (only one chunk's codes and centroids can be live). ||c||^2 and the products of every
+    chunk accumulate in chunk order: the same sum as the whole-head path, in another order, so other bits."""
+    s = tl.full([q_rows.shape[0], n_mask.shape[0]], 0, ACC_DTYPE)
+    c_sq = tl.full([n_mask.shape[0]], 0, ACC_DTYPE)
+    if KEY_DIM_UNROLL:
+        for dim_start in tl.static_range(0, HEAD_DIM, KEY_DIM_CHUNK):
+            s, c_sq = lloyd_max_chunk(s, c_sq, dim_start, q_rows, q_row_mask, slot_ptr, n_mask, centroids_ptr, KEY_BITS,
+                                      KEY_CODE_BYTES, KEY_DIM_CHUNK, HEAD_DIM, ACC_DTYPE, DOT_DTYPE,
+                                      UPCAST)  # fmt: skip
+    else:
+        for dim_start in range(0, HEAD_DIM, KEY_DIM_CHUNK):
+            s, c_sq = lloyd_max_chunk(s, c_sq, dim_start, q_rows, q_row_mask, slot_ptr, n_mask, centroids_ptr, KEY_BITS,
+                                      KEY_CODE_BYTES, KEY_DIM_CHUNK, HEAD_DIM, ACC_DTYPE, DOT_DTYPE,
+                                      UPCAST)  # fmt: skip
+    c_norm = tl.sqrt(c_sq)
+    norm = load_fp16(slot_ptr + KEY_CODE_BYTES, n_mask, FP16_ALIGNED).to(ACC_DTYPE)
+    return s * (norm / tl.where(c_norm > 0, c_norm, 1.0))[None, :]  # ||k|| / ||c||; masked keys: 0
+
+
+@triton.jit
+def lloyd_max_chunk(s, c_sq, dim_start, q_rows, q_row_mask, slot_ptr, n_mask, centroids_ptr, KEY_BITS: tl.constexpr,
+                    KEY_CODE_BYTES: tl.constexpr, KEY_DIM_CHUNK: tl.constexpr, HEAD_DIM: tl.constexpr,
+                    ACC_DTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr, UPCAST: tl.constexpr):  # fmt: skip
+    """(s, c_sq) plus head dims dim_start .. + KEY_DIM_CHUNK: the query columns loaded from ``q_rows`` (a few KiB,
+    cache-resident) and split as ``tile_queries`` does, the keys' centroids [BLOCK_N, KEY_DIM_CHUNK] decoded, their
+    squares summed into ``c_sq`` and the products (hi.hi, hi.lo, lo.hi) accumulated into ``s`` by the MMAs."""
+    d = dim_start + tl.arange(0, KEY_DIM_CHUNK)
+    q = tl.load(q_rows[:, None] + d[None, :], mask=q_row_mask[:, None] & (d[None, :] < HEAD_DIM), other=0.0)
+    q, q_lo = tile_queries(q, ENC_LLOYD_MAX, ACC_DTYPE, DOT_DTYPE)
+    kv_mask = n_mask[:, None] & (d[None, :] < HEAD_DIM)
+    codes = tile_codes(slot_ptr, n_mask, d, kv_mask, KEY_BITS, KEY_CODE_BYTES, HEAD_DIM, False, dim_start)
+    c = tl.load(centroids_ptr + codes, mask=kv_mask, other=0.0)  # [BLOCK_N, KEY_DIM_CHUNK]
+    c_sq += reduce_sum(c * c, 1)
+    if DOT_DTYPE == ACC_DTYPE:
+        return mma(q, tl.trans(c), False, s), c_sq
+    c_hi, c_lo = split_hi_lo(c, DOT_DTYPE)
+    s = mma(q, tl.trans(c_hi), UPCAST, s)
+    s = mma(q, tl.trans(c_lo), UPCAST, s)
+    return mma(q_lo, tl.trans(c_hi), UPCAST, s), c_sq
 
 
 @triton.jit

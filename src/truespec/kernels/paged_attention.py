@@ -135,6 +135,8 @@ def _paged_attention_kernel(
     KEY_ENC: tl.constexpr,  # kernels/kv_tiles.py encodings
     KEY_BITS: tl.constexpr,
     KEY_CODE_BYTES: tl.constexpr,
+    KEY_DIM_CHUNK: tl.constexpr,  # Lloyd-Max keys: head dims decoded and scored at a time (HEAD_DIM_PAD: all)
+    KEY_DIM_UNROLL: tl.constexpr,  # ... in an unrolled loop over the chunks, else a runtime one
     VALUE_ENC: tl.constexpr,
     VALUE_BITS: tl.constexpr,
     VALUE_CODE_BYTES: tl.constexpr,
@@ -157,7 +159,8 @@ def _paged_attention_kernel(
     d = tl.arange(0, HEAD_DIM_PAD)
     heads = kv_head * GROUP + g
     q_mask = (g[:, None] < GROUP) & (d[None, :] < HEAD_DIM)
-    q = tl.load(q_ptr + token * stride_q_tok + heads[:, None] * stride_q_head + d[None, :], mask=q_mask, other=0.0)
+    q_rows = q_ptr + token * stride_q_tok + heads * stride_q_head  # [GROUP_PAD]
+    q = tl.load(q_rows[:, None] + d[None, :], mask=q_mask, other=0.0)
     q, q_lo = tile_queries(q, KEY_ENC, ACC_DTYPE, DOT_DTYPE)  # as tile_scores reads it
     scale_acc = tl.full([], scale, ACC_DTYPE)
     threshold = tl.full([], sparse_v_threshold, ACC_DTYPE)
@@ -171,8 +174,9 @@ def _paged_attention_kernel(
         n_mask = n < key_end
         slot_off, kv_mask = tile_slots(block_tables_ptr, r, stride_bt_req, n, n_mask, d, stride_cache_block,
                                        stride_cache_slot, BLOCK_SIZE, HEAD_DIM)  # fmt: skip
-        s = tile_scores(q, q_lo, cache_head_ptr, slot_off, d, n_mask, kv_mask, centroids_ptr, KEY_ENC, KEY_BITS,
-                        KEY_CODE_BYTES, HEAD_DIM, FP16_ALIGNED, ACC_DTYPE, DOT_DTYPE, UPCAST)  # fmt: skip
+        s = tile_scores(q, q_lo, q_rows, g < GROUP, cache_head_ptr, slot_off, d, n_mask, kv_mask, centroids_ptr,
+                        KEY_ENC, KEY_BITS, KEY_CODE_BYTES, KEY_DIM_CHUNK, KEY_DIM_UNROLL, HEAD_DIM, FP16_ALIGNED,
+                        ACC_DTYPE, DOT_DTYPE, UPCAST)  # fmt: skip
         s = s * scale_acc  # [GROUP_PAD, BLOCK_N]
         s = tl.where(n_mask[None, :], s, float("-inf"))
         m_new, alpha, p, l = online_softmax_step(m, l, s)  # m_new finite: every tile holds a key of this split
@@ -246,8 +250,9 @@ def model_cache_tiles(q: torch.Tensor, kv_cache: torch.Tensor) -> CacheTiles:
     if kv_cache.stride(-1) != 1 or q.dtype != kv_cache.dtype:
         raise ValueError("kv_cache needs a unit last stride and q's dtype")
     return CacheTiles(kv_cache, block_size, num_kv_heads, (kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3)),
-                      kv_cache.stride(0), kv_cache, dict(KEY_ENC=MODEL, KEY_BITS=0, KEY_CODE_BYTES=0, VALUE_ENC=MODEL,
-                                                         VALUE_BITS=0, VALUE_CODE_BYTES=0,
+                      kv_cache.stride(0), kv_cache, dict(KEY_ENC=MODEL, KEY_BITS=0, KEY_CODE_BYTES=0,
+                                                         KEY_DIM_CHUNK=pad_pow2(q.shape[-1]), KEY_DIM_UNROLL=True,
+                                                         VALUE_ENC=MODEL, VALUE_BITS=0, VALUE_CODE_BYTES=0,
                                                          FP16_ALIGNED=False))  # fmt: skip
 
 

@@ -26,10 +26,19 @@ written by kernels/kv_store_packed.py (``store_packed``).
 fp64 q runs under Triton's interpreter only: compiled, Triton 3.6 cannot lower an fp64 ``tl.dot`` whose operand
 is decoded in registers ("fp64 don't support largeK MMA"), so the wrapper refuses fp64 on CUDA.
 
+Launch knobs: ``block_n`` and ``num_warps`` reach the kernel as for the model-dtype cache; ``key_dim_chunk`` (Lloyd-Max
+keys only) decodes and scores a key tile that many head dims at a time instead of the whole head, in an unrolled or
+(``key_dim_unroll=False``) a runtime loop over the chunks (kernels/kv_tiles.py), to bound the registers of a tile of
+centroids at head_dim 256 (issue 14). Each fixes a row's arithmetic, so a model keeps one value for all its calls;
+``key_dim_chunk=None`` (the whole head) compiles exactly the loop as it was before the knobs existed. The engine
+passes none of them: it runs the defaults.
+
 Not done yet (speed only; correctness does not need them):
 - per-layer calibrated fp8 k_scale / v_scale (the formats use 1.0, as the reference).
 - no GPU tuning for packed caches: BLOCK_N / MAX_SPLITS / MIN_SPLIT_KEYS / num_warps are the model-dtype
-  kernel's defaults (the cap of 64 splits, meant for these formats at 8K-32K keys, is still to be measured).
+  kernel's defaults and key_dim_chunk the whole head, all untuned (benchmarks/packed_attention_speed.py ``--tune``
+  sweeps block_n x num_warps x key_dim_chunk; the cap of 64 splits, meant for these formats at 8K-32K keys, is
+  still to be measured).
 """
 
 from functools import cache
@@ -49,6 +58,7 @@ from truespec.kernels.paged_attention import (
     split_attention,
 )
 from truespec.kernels.row_invariant_matmul import row_invariant_matmul
+from truespec.kernels.triton_utils import pad_pow2
 from truespec.ops.kv_quant import hadamard, packed_size
 from truespec.ops.lloyd_max import lloyd_max_codebook
 from truespec.ops.precision import compute_dtype
@@ -121,6 +131,18 @@ def check_packed_cache(kv_cache: torch.Tensor, fmt: KVFormat, head_dim: int) -> 
         )
 
 
+def check_key_dim_chunk(key_dim_chunk: int | None, fmt: KVFormat, head_dim: int) -> int:
+    """The KEY_DIM_CHUNK constant for ``key_dim_chunk``: the padded head dim for None; else a ValueError unless
+    ``fmt`` has Lloyd-Max keys and the chunk is a power of two from 16 (``tl.dot``) to the padded head dim."""
+    head_dim_pad = pad_pow2(head_dim)
+    if key_dim_chunk is None:
+        return head_dim_pad
+    if not fmt.is_rotated or key_dim_chunk < 16 or key_dim_chunk > head_dim_pad or key_dim_chunk & (key_dim_chunk - 1):
+        raise ValueError(f"key_dim_chunk {key_dim_chunk} needs Lloyd-Max keys (not {fmt.name!r}) and a power of two "
+                         f"in [16, {head_dim_pad}]")
+    return key_dim_chunk
+
+
 def paged_attention_packed(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -138,6 +160,8 @@ def paged_attention_packed(
     max_workspace_bytes: int = MAX_WORKSPACE_BYTES,
     sparse_v_threshold: float | None = None,
     sparse_v_min_keys: int = 0,
+    key_dim_chunk: int | None = None,
+    key_dim_unroll: bool = True,
 ) -> torch.Tensor:
     """Causal attention of q [T, num_heads, head_dim] over the packed paged ``kv_cache`` uint8
     [num_blocks, block_size, num_kv_heads, fmt.bytes_per_token(head_dim)]; query token i of request r sits at
@@ -145,8 +169,10 @@ def paged_attention_packed(
     No host sync and no shape derived from the batch content. The split layout, workspace and sparse-V arguments
     are ``paged_attention``'s: ``block_n``, ``max_splits``, ``min_split_keys``, ``num_warps`` fix each row's
     arithmetic (keep them the same for every call of a model: invariant 4); ``sparse_v_threshold`` None is off,
-    0 gives the same bits as off. Returns ``out`` (allocated if None) in q's dtype."""
-    q_in, tiles = packed_cache_tiles(q, kv_cache, fmt, head_dim)
+    0 gives the same bits as off. ``key_dim_chunk`` (Lloyd-Max keys): head dims decoded and scored at a time
+    (kernels/kv_tiles.py), over the chunks in an unrolled loop (``key_dim_unroll``) or a runtime one; None, the
+    whole head, gives the engine's bits; per-model constants too. Returns ``out`` (allocated if None) in q's dtype."""
+    q_in, tiles = packed_cache_tiles(q, kv_cache, fmt, head_dim, key_dim_chunk, key_dim_unroll)
     out = torch.empty_like(q) if out is None else out
     return split_attention(q_in, tiles, query_start_loc, seq_lens, block_tables, scale, out, block_n, max_splits,
                            min_split_keys, num_warps, max_workspace_bytes, sparse_v_threshold,
@@ -161,11 +187,14 @@ def cache_tiles(q: torch.Tensor, kv_cache: torch.Tensor, fmt: KVFormat | None) -
     return packed_cache_tiles(q, kv_cache, fmt, q.shape[-1])
 
 
-def packed_cache_tiles(q: torch.Tensor, kv_cache: torch.Tensor, fmt: KVFormat, head_dim: int
+def packed_cache_tiles(q: torch.Tensor, kv_cache: torch.Tensor, fmt: KVFormat, head_dim: int,
+                       key_dim_chunk: int | None = None, key_dim_unroll: bool = True
                        ) -> tuple[torch.Tensor, CacheTiles]:  # fmt: skip
     """(q as the kernels read it, how they read the packed ``kv_cache``): q rotated once (q @ H, in the accumulator
-    dtype) for Lloyd-Max keys, else q itself; a ValueError if q and the cache do not fit."""
+    dtype) for Lloyd-Max keys, else q itself; a ValueError if q and the cache do not fit. ``key_dim_chunk``,
+    ``key_dim_unroll``: see ``paged_attention_packed`` (None: the whole head)."""
     check_packed_cache(kv_cache, fmt, head_dim)
+    key_dim_chunk = check_key_dim_chunk(key_dim_chunk, fmt, head_dim)
     _, block_size, num_kv_heads, _ = kv_cache.shape
     num_heads = q.shape[1]
     if q.shape[-1] != head_dim or num_heads % num_kv_heads != 0 or q.stride(-1) != 1:
@@ -187,6 +216,7 @@ def packed_cache_tiles(q: torch.Tensor, kv_cache: torch.Tensor, fmt: KVFormat, h
     fp16_fields = ([key_code_bytes] if fmt.is_rotated else []) + (
         [fmt.key_bytes(head_dim) + value_code_bytes] if fmt.value_encoding == UNIFORM else [])  # fmt: skip
     encoding = dict(KEY_ENC=KEY_ENCODINGS[fmt.key_encoding], KEY_BITS=key_bits, KEY_CODE_BYTES=key_code_bytes,
+                    KEY_DIM_CHUNK=key_dim_chunk, KEY_DIM_UNROLL=key_dim_unroll or key_dim_chunk == pad_pow2(head_dim),
                     VALUE_ENC=VALUE_ENCODINGS[fmt.value_encoding], VALUE_BITS=value_bits,
                     VALUE_CODE_BYTES=value_code_bytes, FP16_ALIGNED=is_fp16_aligned(kv_cache, fp16_fields))  # fmt: skip
     tiles = CacheTiles(kv_cache, block_size, num_kv_heads, (kv_cache.stride(0), kv_cache.stride(1),

@@ -96,6 +96,8 @@ def _prefill_attention_kernel(
     KEY_ENC: tl.constexpr,
     KEY_BITS: tl.constexpr,
     KEY_CODE_BYTES: tl.constexpr,
+    KEY_DIM_CHUNK: tl.constexpr,
+    KEY_DIM_UNROLL: tl.constexpr,
     VALUE_ENC: tl.constexpr,
     VALUE_BITS: tl.constexpr,
     VALUE_CODE_BYTES: tl.constexpr,
@@ -119,8 +121,8 @@ def _prefill_attention_kernel(
     d = tl.arange(0, HEAD_DIM_PAD)
     q_mask = is_row[:, None] & (d[None, :] < HEAD_DIM)
     head = kv_head * GROUP + g
-    q = tl.load(q_ptr + token[:, None] * stride_q_tok + head[:, None] * stride_q_head + d[None, :], mask=q_mask,
-                other=0.0)  # fmt: skip
+    q_rows = q_ptr + token * stride_q_tok + head * stride_q_head  # [ROWS]
+    q = tl.load(q_rows[:, None] + d[None, :], mask=q_mask, other=0.0)
     q, q_lo = tile_queries(q, KEY_ENC, ACC_DTYPE, DOT_DTYPE)
     scale_acc = tl.full([], scale, ACC_DTYPE)
 
@@ -134,8 +136,9 @@ def _prefill_attention_kernel(
         n_mask = n < num_keys
         slot_off, kv_mask = tile_slots(block_tables_ptr, r, stride_bt_req, n, n_mask, d, stride_cache_block,
                                        stride_cache_slot, BLOCK_SIZE, HEAD_DIM)  # fmt: skip
-        s = tile_scores(q, q_lo, cache_head_ptr, slot_off, d, n_mask, kv_mask, centroids_ptr, KEY_ENC, KEY_BITS,
-                        KEY_CODE_BYTES, HEAD_DIM, FP16_ALIGNED, ACC_DTYPE, DOT_DTYPE, UPCAST)  # fmt: skip
+        s = tile_scores(q, q_lo, q_rows, is_row, cache_head_ptr, slot_off, d, n_mask, kv_mask, centroids_ptr,
+                        KEY_ENC, KEY_BITS, KEY_CODE_BYTES, KEY_DIM_CHUNK, KEY_DIM_UNROLL, HEAD_DIM, FP16_ALIGNED,
+                        ACC_DTYPE, DOT_DTYPE, UPCAST)  # fmt: skip
         s = tl.where(n[None, :] <= position[:, None], s * scale_acc, float("-inf"))  # causal (and n < num_keys)
         m_new, alpha, p, l = online_softmax_step(m, l, s)  # m_new finite: tile 0 holds key 0, which every row sees
         acc = acc * alpha[:, None] + tile_pv(p, cache_head_ptr + value_offset, slot_off, d, n_mask, kv_mask,

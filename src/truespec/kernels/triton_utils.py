@@ -56,12 +56,13 @@ def reduce_min(x, axis: tl.constexpr):
 
 
 @triton.jit
-def mma(a, b, UPCAST: tl.constexpr):
-    """``a @ b`` accumulated in fp32 (fp64 for fp64 operands), IEEE fp32 products (never tf32)."""
+def mma(a, b, UPCAST: tl.constexpr, acc=None):
+    """``a @ b`` (``acc + a @ b`` given ``acc``) accumulated in fp32 (fp64 for fp64 operands), IEEE fp32 products
+    (never tf32)."""
     if UPCAST:
         a = a.to(tl.float32)
         b = b.to(tl.float32)
-    return tl.dot(a, b, input_precision="ieee")
+    return tl.dot(a, b, acc, input_precision="ieee")
 
 
 @triton.jit
