@@ -21,7 +21,7 @@ the suspected cause of the Lloyd-Max presets' slowness at head_dim 256). ``KEY_D
 form: unrolled (``tl.static_range``: the compiler may still hoist later chunks' loads) or a runtime loop (one chunk
 at a time; ptxas for sm_90 also reports 2-6x less shared memory than unrolled). The chunked sum runs in another
 order, so it gives other bits; like BLOCK_N and the warps both are per-model constants, never chosen by the batch
-(invariant 4), and untuned (``--tune`` of benchmarks/packed_attention_speed.py sweeps them).
+(invariant 4), and untuned (benchmarks/packed_attention_tune.py sweeps them).
 
 Packed slots are read field by field by kernels/packed_codes.py; decoded tiles are never written back. For 16-bit
 models (DOT_DTYPE bf16 / fp16) every product runs on the tensor cores with operands that are exact in 16 bits (fp8

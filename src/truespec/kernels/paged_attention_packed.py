@@ -36,8 +36,8 @@ passes none of them: it runs the defaults.
 Not done yet (speed only; correctness does not need them):
 - per-layer calibrated fp8 k_scale / v_scale (the formats use 1.0, as the reference).
 - no GPU tuning for packed caches: BLOCK_N / MAX_SPLITS / MIN_SPLIT_KEYS / num_warps are the model-dtype
-  kernel's defaults and key_dim_chunk the whole head, all untuned (benchmarks/packed_attention_speed.py ``--tune``
-  sweeps block_n x num_warps x key_dim_chunk; the cap of 64 splits, meant for these formats at 8K-32K keys, is
+  kernel's defaults and key_dim_chunk the whole head, all untuned (benchmarks/packed_attention_tune.py sweeps
+  block_n x num_warps x key_dim_chunk; the cap of 64 splits, meant for these formats at 8K-32K keys, is
   still to be measured).
 """
 
