@@ -9,7 +9,8 @@ in the same process on the same card.
 At batch size b the engine runs ``max(2 b, --min-prompts)`` prompts with ``max_num_seqs = b`` (so b requests
 decode together, new ones joining as others finish); greedy, ignore_eos. One engine per method (and per
 ``--governors`` value: the speculation governor, spec_decode/governor.py; "default" leaves the key out); each
-(method, b) gets one untimed warm-up generate first (the governor measures in it too). Prints a markdown table last.
+(method, b) first runs all its prompts once untimed (the governor measures in that run too). Prints a markdown
+table last.
 """
 
 import argparse
