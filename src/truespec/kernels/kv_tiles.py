@@ -132,9 +132,7 @@ def tile_scores(q, q_lo, q_rows, q_row_mask, head_ptr, slot_off, d, n_mask, kv_m
         slot_ptr = head_ptr + slot_off  # [BLOCK_N]
         codes = tile_codes(slot_ptr, n_mask, d, kv_mask, KEY_BITS, KEY_CODE_BYTES, HEAD_DIM, False)
         c = tl.load(centroids_ptr + codes, mask=kv_mask, other=0.0)  # [BLOCK_N, HEAD_DIM_PAD]
-        c_norm = tl.sqrt(reduce_sum(c * c, 1))
-        norm = load_fp16(slot_ptr + KEY_CODE_BYTES, n_mask, FP16_ALIGNED).to(ACC_DTYPE)
-        weight = norm / tl.where(c_norm > 0, c_norm, 1.0)  # ||k|| / ||c||; masked keys: 0
+        weight = norm_correction(reduce_sum(c * c, 1), slot_ptr, n_mask, KEY_CODE_BYTES, FP16_ALIGNED, ACC_DTYPE)
         if DOT_DTYPE == ACC_DTYPE:
             s = mma(q, tl.trans(c), False)
         else:
@@ -165,9 +163,17 @@ def chunked_lloyd_max_scores(q_rows, q_row_mask, slot_ptr, n_mask, centroids_ptr
             s, c_sq = lloyd_max_chunk(s, c_sq, dim_start, q_rows, q_row_mask, slot_ptr, n_mask, centroids_ptr, KEY_BITS,
                                       KEY_CODE_BYTES, KEY_DIM_CHUNK, HEAD_DIM, ACC_DTYPE, DOT_DTYPE,
                                       UPCAST)  # fmt: skip
+    return s * norm_correction(c_sq, slot_ptr, n_mask, KEY_CODE_BYTES, FP16_ALIGNED, ACC_DTYPE)[None, :]
+
+
+@triton.jit
+def norm_correction(c_sq, slot_ptr, n_mask, KEY_CODE_BYTES: tl.constexpr, FP16_ALIGNED: tl.constexpr,
+                    ACC_DTYPE: tl.constexpr):  # fmt: skip
+    """||k|| / ||c|| [BLOCK_N] of Lloyd-Max keys: the stored norm (the fp16 after each slot's KEY_CODE_BYTES code
+    bytes) over the centroid vector's norm, from its squared norm ``c_sq``; masked keys: 0."""
     c_norm = tl.sqrt(c_sq)
     norm = load_fp16(slot_ptr + KEY_CODE_BYTES, n_mask, FP16_ALIGNED).to(ACC_DTYPE)
-    return s * (norm / tl.where(c_norm > 0, c_norm, 1.0))[None, :]  # ||k|| / ||c||; masked keys: 0
+    return norm / tl.where(c_norm > 0, c_norm, 1.0)
 
 
 @triton.jit

@@ -23,15 +23,13 @@ def tile_codes(slot_ptr, n_mask, d, kv_mask, BITS: tl.constexpr, NUM_BYTES: tl.c
     """The codes [BLOCK_N, HEAD_DIM_PAD] (int32, 0 where ``kv_mask`` is off) of the slots whose packed bit streams
     (NUM_BYTES bytes each) start at ``slot_ptr`` [BLOCK_N], for the dims ``d``: 0 .. HEAD_DIM_PAD - 1, or a chunk
     dim_start + arange(HEAD_DIM_PAD) (``dim_start`` a multiple of 8, a constant or a runtime int; HEAD_DIM_PAD is
-    d's width). Each code byte is loaded
-    once, from contiguous addresses,
-    and expanded in registers: 4-bit codes as [BLOCK_N, HEAD_DIM_PAD / 2] bytes, code 2i the low nibble of byte i
-    and 2i + 1 the high one; 3-bit codes as three byte planes [BLOCK_N, HEAD_DIM_PAD / 8] (bytes 3g, 3g + 1, 3g + 2
-    hold codes 8g .. 8g + 7 as one 24-bit little-endian word). Both interleave with ``tl.join`` + ``tl.reshape``.
-    Head dims these cannot cover (odd for 4-bit, not a multiple of 8 for 3-bit) take ``unpack_codes``, and so do
-    4-bit codes with EXPAND_NIBBLES off: Lloyd-Max keys, whose centroid gather ran 1.4x slower after the nibble
-    interleave than after per-element loads (H200, BENCHMARKS.md session 12), unlike uniform values (1.2-1.3x
-    faster)."""
+    d's width). Each code byte is loaded once, from contiguous addresses, and expanded in registers: 4-bit codes as
+    [BLOCK_N, HEAD_DIM_PAD / 2] bytes, code 2i the low nibble of byte i and 2i + 1 the high one; 3-bit codes as
+    three byte planes [BLOCK_N, HEAD_DIM_PAD / 8] (bytes 3g, 3g + 1, 3g + 2 hold codes 8g .. 8g + 7 as one 24-bit
+    little-endian word). Both interleave with ``tl.join`` + ``tl.reshape``. Head dims these cannot cover (odd for
+    4-bit, not a multiple of 8 for 3-bit) take ``unpack_codes``, and so do 4-bit codes with EXPAND_NIBBLES off:
+    Lloyd-Max keys, whose centroid gather ran 1.4x slower after the nibble interleave than after per-element loads
+    (H200, BENCHMARKS.md session 12), unlike uniform values (1.2-1.3x faster)."""
     BLOCK_N: tl.constexpr = n_mask.shape[0]
     HEAD_DIM_PAD: tl.constexpr = d.shape[0]
     if (BITS == 4) & (HEAD_DIM % 2 == 0) & EXPAND_NIBBLES:
