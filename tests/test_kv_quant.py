@@ -11,7 +11,7 @@ import torch
 
 from truespec.kv_cache.formats import FORMATS, KV_CACHE_DTYPES, bytes_per_token, compressed_layers, kv_format
 from truespec.ops import kv_quant as kq
-from truespec.ops.lloyd_max import codebook_codes, expected_mse, lloyd_max_codebook
+from truespec.ops.lloyd_max import _lloyd, codebook_codes, expected_mse, lloyd_max_codebook
 
 PRESETS = ("turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc")
 # rms of (score^ - q.k) / (||q|| ||k||) at head_dim 128; measured 0.0023 / 0.0084 / 0.0161 / 0.0161
@@ -32,7 +32,7 @@ def stored_keys(name: str, k: torch.Tensor, norm_correction: bool | None = None)
     if fmt.key_encoding == "fp8":
         return kq.fp8_load(kq.fp8_store(k), dtype=k.dtype)
     nc = fmt.norm_correction if norm_correction is None else norm_correction
-    return kq.dequantize_keys(kq.quantize_keys(k, fmt.key_bits), k.dtype, nc)
+    return kq.dequantize_keys(kq.quantize_keys(k, fmt.key_bits, nc), k.dtype)
 
 
 def bit_stream_reference(codes: list[int], bits: int) -> list[int]:
@@ -84,9 +84,10 @@ def test_lloyd_max_codebook_tends_to_the_gaussian_one() -> None:
     gaussian_centroids = {3: [0.2451, 0.7560, 1.3440, 2.1520],
                           4: [0.1284, 0.3881, 0.6568, 0.9424, 1.2562, 1.6180, 2.0690, 2.7326]}
     for bits, expected in gaussian_centroids.items():
-        centroids, _ = lloyd_max_codebook(256, bits)
-        scaled = (centroids[1 << (bits - 1):] * 16).double()
+        exact = _lloyd(256, bits)  # float64, before the codebook's rounding to bf16
+        scaled = exact[1 << (bits - 1):] * 16
         torch.testing.assert_close(scaled, torch.tensor(expected, dtype=torch.float64), rtol=0.01, atol=0)
+        assert torch.equal(lloyd_max_codebook(256, bits)[0], exact.to(torch.bfloat16).float())
 
 
 @pytest.mark.parametrize("bits", [3, 4])
@@ -105,6 +106,25 @@ def test_lloyd_max_beats_the_best_uniform_quantiser_on_random_unit_vectors(bits:
     assert lloyd_mse * d == pytest.approx(expected_mse(d, bits), rel=0.02)
 
 
+@pytest.mark.parametrize("bits", [3, 4])
+def test_centroids_are_exact_16_bit_operands_and_their_norms_sum_exactly(bits: int) -> None:
+    """The kernels multiply centroids as bf16 / fp16 tensor-core operands with no rounding, and the store kernel's
+    ||c||^2 (float64, its own summation order) equals the reference's bit for bit: every partial sum is exact."""
+    for head_dim in [2**i for i in range(2, 13)]:
+        centroids, _ = lloyd_max_codebook(head_dim, bits)
+        for narrow in (torch.bfloat16, torch.float16):
+            assert torch.equal(centroids.to(narrow).float(), centroids)
+        squares = centroids.double() ** 2
+        _, low_exponent = torch.frexp(squares.min())
+        _, high_exponent = torch.frexp(squares.max() * head_dim)
+        assert 16 + int(high_exponent - low_exponent) < 53, head_dim  # the bits any partial sum can need
+    gen = torch.Generator().manual_seed(13)
+    c = lloyd_max_codebook(256, bits)[0][torch.randint(0, 1 << bits, (64, 256), generator=gen)]
+    orders = [kq.centroid_norms(c), kq.centroid_norms(c.flip(-1)), kq.centroid_norms(c[:, torch.randperm(256)])]
+    exact = torch.tensor([math.fsum(float(x) ** 2 for x in row) for row in c.double()], dtype=torch.float64).sqrt()
+    assert all(torch.equal(exact, order) for order in orders)
+
+
 @pytest.mark.parametrize("head_dim", [128, 256])
 @pytest.mark.parametrize("bits", [3, 4])
 def test_key_round_trip_mse_on_unit_vectors_within_the_paper_bound(head_dim: int, bits: int) -> None:
@@ -114,7 +134,7 @@ def test_key_round_trip_mse_on_unit_vectors_within_the_paper_bound(head_dim: int
     u = u / u.norm(dim=-1, keepdim=True)
     paper_bound = math.sqrt(3) * math.pi / 2 * 4.0**-bits
     for nc in (False, True):
-        mse = ((kq.dequantize_keys(kq.quantize_keys(u, bits), torch.float64, nc) - u) ** 2).sum(-1).mean().item()
+        mse = ((kq.dequantize_keys(kq.quantize_keys(u, bits, nc), torch.float64) - u) ** 2).sum(-1).mean().item()
         assert mse <= min(paper_bound, 1.04 * expected_mse(head_dim, bits))
 
 
@@ -131,8 +151,8 @@ def test_key_dequantisation_and_score_errors_within_documented_bounds(name: str)
 @pytest.mark.parametrize("bits", [3, 4])
 def test_norm_correction_is_no_worse_on_average(bits: int) -> None:
     k, noise = gaussian(2048, 2, 128, seed=5), gaussian(2048, 2, 128, seed=6)
-    plain = kq.dequantize_keys(kq.quantize_keys(k, bits), torch.float64, norm_correction=False)
-    nc = kq.dequantize_keys(kq.quantize_keys(k, bits), torch.float64, norm_correction=True)
+    plain = kq.dequantize_keys(kq.quantize_keys(k, bits, norm_correction=False), torch.float64)
+    nc = kq.dequantize_keys(kq.quantize_keys(k, bits, norm_correction=True), torch.float64)
 
     def mean_square(x: torch.Tensor) -> float:
         return x.pow(2).mean().item()
@@ -196,7 +216,7 @@ def test_float64_keys_code_like_float32_except_at_boundaries() -> None:
     codes = [kq.unpack_codes(x.codes, 4, 128).int() for x in (wide, narrow)]
     assert (codes[0] != codes[1]).float().mean().item() < 1e-3
     assert (codes[0] - codes[1]).abs().max().item() <= 1
-    assert (wide.norms != narrow.norms).float().mean().item() < 1e-2
+    assert (wide.scales != narrow.scales).float().mean().item() < 1e-2
 
 
 def test_zero_key_and_constant_value_read_back_exactly() -> None:
@@ -227,7 +247,7 @@ def test_bytes_per_token_count_what_the_quantisers_store(name: str) -> None:
         key_bytes = nbytes(kq.fp8_store(k))
     else:
         keys = kq.quantize_keys(k, fmt.key_bits)
-        key_bytes = nbytes(keys.codes, keys.norms)
+        key_bytes = nbytes(keys.codes, keys.scales)
     values = kq.quantize_values(k, fmt.value_bits)
     assert key_bytes + nbytes(values.codes, values.scales, values.zeros) == fmt.bytes_per_token(256)
 

@@ -11,8 +11,9 @@ nothing for a padding row (slot -1). Every step follows the reference's order an
 - Lloyd-Max keys: ``norm = sqrt(sum x^2)``, ``unit = x / max(norm, tiny)``, ``rot = unit @ H`` (the normalised
   Hadamard matrix, a [D, D] product in the compute dtype, taken in column chunks of CODE_BLOCK), each coordinate's
   code = the number of float32 decision boundaries strictly below it (``codebook_codes``: a tie goes to the lower
-  code), codes bit-packed little-endian; then the fp16 norm. Division and square root are IEEE-rounded
-  (``div_rn`` / ``sqrt_rn``: compiled Triton's ``/`` and ``sqrt`` are approximate in fp32).
+  code), codes bit-packed little-endian; then the fp16 scale: ||k|| / ||c|| with norm correction (||c||^2 summed
+  in float64, exact in any order, then divided and rounded as the reference does), else ||k||. Division and square
+  root are IEEE-rounded (``div_rn`` / ``sqrt_rn``: compiled Triton's ``/`` and ``sqrt`` are approximate in fp32).
 - Uniform values: ``lo = min``, ``hi = max``, ``scale = fp16((hi - lo) / (2^b - 1))``, ``zero = fp16(lo)``
   (saturating at +-65504; fp64 via fp32, as torch rounds), ``code = round_half_even((v - zero) / scale)`` clamped to
   [0, 2^b - 1] (scale 0 reads as 1), bit-packed; then the fp16 scale and zero.
@@ -21,11 +22,12 @@ What can differ from the reference: the sum of squares and the rotation's sums a
 torch's kernels (compiled, with fused multiply-adds; and torch's CPU fp32 sqrt is not always correctly rounded: 442
 of 65536 random inputs were 1 ulp low), so the fp32 norm and rotated coordinates may differ in their last bits. A
 key code then differs only where a rotated coordinate lies within a few fp32 ulps of a decision boundary, and an
-fp16 norm by one ulp where the fp32 norm sits at an fp16 rounding midpoint. Measured on CPU with float64-exact
+fp16 scale by one ulp where the fp32 norm sits near an fp16 rounding midpoint (or as the scale of the key's own codes,
+where one of them differs: ||c|| follows the codes). Measured on CPU with float64-exact
 norms and rotations against torch's fp32 encode (4M to 8M codes at D 128 / 256, 3 and 4 bits): 1 to 4 codes and
 0 to 1 norm in 32768 differed; none at the tests' CPU sizes.
 tests/test_kv_store_packed.py asserts exactly that: every byte equal, except such codes (|code step| = 1, the
-float64 coordinate within 1e-6 of the boundary) and such norms, and none of either on the interpreter's inputs.
+float64 coordinate within 1e-6 of the boundary) and such scales, and none of either on the interpreter's inputs.
 """
 
 from functools import cache
@@ -142,6 +144,7 @@ def _kv_store_packed_kernel(
     slot_mapping_ptr,  # [T]
     hadamard_ptr,  # [D, D] in the compute dtype (LLOYD_MAX keys only)
     boundaries_ptr,  # [2^KEY_BITS - 1] float32 decision boundaries (LLOYD_MAX keys only)
+    centroids_ptr,  # [2^KEY_BITS] float64 centroids (LLOYD_MAX keys with NORM_CORRECTION only)
     stride_k_tok,
     stride_k_head,
     stride_v_tok,
@@ -154,6 +157,7 @@ def _kv_store_packed_kernel(
     KEY_BITS: tl.constexpr,
     KEY_CODE_BYTES: tl.constexpr,
     KEY_BYTES: tl.constexpr,
+    NORM_CORRECTION: tl.constexpr,  # LLOYD_MAX keys: store ||k|| / ||c||, else ||k||
     VALUE_ENC: tl.constexpr,
     VALUE_BITS: tl.constexpr,
     VALUE_CODE_BYTES: tl.constexpr,
@@ -182,6 +186,7 @@ def _kv_store_packed_kernel(
         unit = _div(x, tl.maximum(norm, tl.full([], TINY, COMPUTE_DTYPE)), IS_FP64)
         b = tl.arange(0, 1 << KEY_BITS)
         boundaries = tl.load(boundaries_ptr + b, mask=b < (1 << KEY_BITS) - 1, other=float("inf")).to(COMPUTE_DTYPE)
+        c_sq = tl.full([], 0, tl.float64)  # ||c||^2: exact in float64 in any order (ops/kv_quant.py centroid_norms)
         for c0 in tl.static_range(0, HEAD_DIM, CODE_BLOCK):
             cols = c0 + tl.arange(0, CODE_BLOCK)
             h = tl.load(hadamard_ptr + d[:, None] * HEAD_DIM + cols[None, :])  # [HEAD_DIM, CODE_BLOCK]
@@ -189,7 +194,13 @@ def _kv_store_packed_kernel(
             # codebook_codes: the number of boundaries strictly below (a tie goes to the lower code)
             codes = reduce_sum((boundaries[None, :] < rot[:, None]).to(tl.int32), 1)
             _store_codes(slot_ptr, codes, c0, KEY_BITS, KEY_CODE_BYTES, CODE_BLOCK)
-        _store_fp16(slot_ptr + KEY_CODE_BYTES, _to_fp16(norm, IS_FP64))
+            if NORM_CORRECTION:
+                c = tl.load(centroids_ptr + codes)
+                c_sq += reduce_sum(c * c, 0)
+        if NORM_CORRECTION:
+            _store_fp16(slot_ptr + KEY_CODE_BYTES, _to_fp16(norm.to(tl.float64) / tl.sqrt(c_sq), True))
+        else:
+            _store_fp16(slot_ptr + KEY_CODE_BYTES, _to_fp16(norm, IS_FP64))
 
     # ---- value part
     value_ptr = slot_ptr + KEY_BYTES
@@ -217,16 +228,17 @@ def _kv_store_packed_kernel(
 
 @cache
 def _rotation_tables(head_dim: int, bits: int, dtype: torch.dtype, device: torch.device
-                     ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """The Hadamard matrix [D, D] in ``dtype`` and the float32 decision boundaries on ``device`` (cached: no
-    host-to-device copy once warmed up)."""
-    boundaries = lloyd_max_codebook(head_dim, bits)[1].to(device)
-    return hadamard(head_dim, dtype, device).contiguous(), boundaries
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """The Hadamard matrix [D, D] in ``dtype``, the float32 decision boundaries and the float64 centroids on
+    ``device`` (cached: no host-to-device copy once warmed up)."""
+    centroids, boundaries = lloyd_max_codebook(head_dim, bits)
+    return hadamard(head_dim, dtype, device).contiguous(), boundaries.to(device), centroids.to(device, torch.float64)
 
 
 @cache
-def _dummy_tables(dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    return torch.zeros(1, dtype=dtype, device=device), torch.zeros(1, device=device)
+def _dummy_tables(dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return (torch.zeros(1, dtype=dtype, device=device), torch.zeros(1, device=device),
+            torch.zeros(1, dtype=torch.float64, device=device))  # fmt: skip
 
 
 def store_packed(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
@@ -251,18 +263,19 @@ def store_packed(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_
     acc_dtype = compute_dtype(k.dtype)
     if fmt.is_rotated:
         assert fmt.key_bits is not None
-        hadamard_table, boundaries = _rotation_tables(head_dim, fmt.key_bits, acc_dtype, k.device)
+        hadamard_table, boundaries, centroids = _rotation_tables(head_dim, fmt.key_bits, acc_dtype, k.device)
         key_bits, key_code_bytes = fmt.key_bits, packed_size(head_dim, fmt.key_bits)
     else:
-        (hadamard_table, boundaries), key_bits, key_code_bytes = _dummy_tables(acc_dtype, k.device), 8, head_dim
+        hadamard_table, boundaries, centroids = _dummy_tables(acc_dtype, k.device)
+        key_bits, key_code_bytes = 8, head_dim
     value_bits = fmt.value_bits if fmt.value_encoding == UNIFORM else 8
     assert value_bits is not None
     head_dim_pad = pad_pow2(head_dim, 1)
     _kv_store_packed_kernel[(num_tokens, num_kv_heads)](
-        k, v, kv_cache, slot_mapping, hadamard_table, boundaries, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        kv_cache.stride(1), kv_cache.stride(2),
+        k, v, kv_cache, slot_mapping, hadamard_table, boundaries, centroids, k.stride(0), k.stride(1), v.stride(0),
+        v.stride(1), kv_cache.stride(1), kv_cache.stride(2),
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, KEY_ENC=KEY_ENCODINGS[fmt.key_encoding], KEY_BITS=key_bits,
-        KEY_CODE_BYTES=key_code_bytes, KEY_BYTES=fmt.key_bytes(head_dim),
+        KEY_CODE_BYTES=key_code_bytes, KEY_BYTES=fmt.key_bytes(head_dim), NORM_CORRECTION=fmt.norm_correction,
         VALUE_ENC=VALUE_ENCODINGS[fmt.value_encoding], VALUE_BITS=value_bits,
         VALUE_CODE_BYTES=packed_size(head_dim, value_bits), CODE_BLOCK=min(CODE_BLOCK, head_dim_pad),
         COMPUTE_DTYPE=tl_compute_dtype(k.dtype), TINY=torch.finfo(acc_dtype).tiny, IS_FP64=acc_dtype == torch.float64,

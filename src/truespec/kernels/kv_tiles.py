@@ -9,13 +9,14 @@ The encoding of keys and of values is a compile-time constant, so each cache dty
   before the packed formats shared this loop.
 - ``FP8`` keys / values: HEAD_DIM float8_e4m3fn bytes, widened exactly (scale 1.0, as the reference).
 - ``LLOYD_MAX`` keys (``turboquant_*_nc``): the wrapper rotates q once (q @ H); the tile's codes are unpacked from
-  the little-endian bit stream (kernels/packed_codes.py ``tile_codes``), each centroid looked up in a small table,
-  and the score is ``<q_rot, c> * norm / ||c||`` (norm correction): keys are never rotated back.
+  the little-endian bit stream (kernels/packed_codes.py ``tile_codes``), each code's centroid picked from the
+  table's entries held as scalars (``centroid_values``), and the score is ``<q_rot, c> * scale``, the key's stored
+  scale (||k|| / ||c||: the norm correction, applied when the key was stored): keys are never rotated back.
 - ``UNIFORM`` values: codes unpacked the same way, ``v = code * scale + zero`` (fp16 scale / zero).
 
 ``KEY_DIM_CHUNK`` (compile-time, Lloyd-Max keys only; paged_attention_packed.py ``key_dim_chunk``): the default,
-HEAD_DIM_PAD, decodes and scores a key tile's whole head at once (int32 codes, fp32 centroids and their 16-bit
-halves, all [BLOCK_N, HEAD_DIM_PAD], live together); a smaller power of two >= 16 walks the head dims in chunks of
+HEAD_DIM_PAD, decodes and scores a key tile's whole head at once (int32 codes and centroids, [BLOCK_N, HEAD_DIM_PAD],
+live together); a smaller power of two >= 16 walks the head dims in chunks of
 that many, re-reading the rotated q's columns from memory each time, to bound the registers a tile needs (issue 14:
 the suspected cause of the Lloyd-Max presets' slowness at head_dim 256). ``KEY_DIM_UNROLL`` picks the chunk loop's
 form: unrolled (``tl.static_range``: the compiler may still hoist later chunks' loads) or a runtime loop (one chunk
@@ -25,7 +26,7 @@ order, so it gives other bits; like BLOCK_N and the warps both are per-model con
 
 Packed slots are read field by field by kernels/packed_codes.py; decoded tiles are never written back. For 16-bit
 models (DOT_DTYPE bf16 / fp16) every product runs on the tensor cores with operands that are exact in 16 bits (fp8
-bytes, value codes) or split in two 16-bit halves (the rotated q and the Lloyd-Max centroids); fp32 and fp64 models
+bytes, value codes, Lloyd-Max centroids) or split in two 16-bit halves (the rotated q); fp32 and fp64 models
 decode tiles in the accumulator dtype and multiply in IEEE fp32 / fp64 (``DOT_DTYPE`` is then the accumulator
 dtype).
 """
@@ -56,6 +57,7 @@ class CacheTiles(NamedTuple):
     centroids: torch.Tensor  # Lloyd-Max centroid table in the accumulator dtype (unread for other keys)
     encoding: dict[str, int]  # KEY_ENC, KEY_BITS, KEY_CODE_BYTES, KEY_DIM_CHUNK, KEY_DIM_UNROLL, VALUE_ENC,
     # VALUE_BITS, VALUE_CODE_BYTES, FP16_ALIGNED
+    num_warps: int  # the split kernel's warps for this cache: a per-format constant (it fixes a row's bits)
 
 
 @triton.jit
@@ -115,9 +117,9 @@ def tile_scores(q, q_lo, q_rows, q_row_mask, head_ptr, slot_off, d, n_mask, kv_m
     """Unscaled scores [GROUP_PAD, BLOCK_N] of (q, q_lo) [GROUP_PAD, HEAD_DIM_PAD] (``tile_queries``) against the
     keys of the tile's slots, which start ``slot_off`` [BLOCK_N] elements (bytes for a packed cache) past
     ``head_ptr``. On the tensor cores (DOT_DTYPE 16-bit): fp8 keys widen exactly to DOT_DTYPE; Lloyd-Max centroids
-    (fp32) are split like q and scored as hi.hi + hi.lo + lo.hi (the lo.lo term is below fp32's last bits).
-    Lloyd-Max keys with KEY_DIM_CHUNK below HEAD_DIM_PAD take ``chunked_lloyd_max_scores``, which reads the query
-    rows from memory (``q_rows``: each row's pointer to its dim 0, live where ``q_row_mask``)."""
+    are exact 16-bit operands (``lloyd_max_products``). Lloyd-Max keys with KEY_DIM_CHUNK below HEAD_DIM_PAD take
+    ``chunked_lloyd_max_scores``, which reads the query rows from memory (``q_rows``: each row's pointer to its
+    dim 0, live where ``q_row_mask``)."""
     if KEY_ENC == ENC_MODEL:
         k = tl.load(head_ptr + (slot_off[:, None] + d[None, :]), mask=kv_mask, other=0.0)  # [BLOCK_N, HEAD_DIM_PAD]
         s = mma(q, tl.trans(k), UPCAST)
@@ -130,16 +132,47 @@ def tile_scores(q, q_lo, q_rows, q_row_mask, head_ptr, slot_off, d, n_mask, kv_m
                                      DOT_DTYPE, UPCAST)  # fmt: skip
     else:  # Lloyd-Max keys, the whole head at once
         slot_ptr = head_ptr + slot_off  # [BLOCK_N]
-        codes = tile_codes(slot_ptr, n_mask, d, kv_mask, KEY_BITS, KEY_CODE_BYTES, HEAD_DIM, False)
-        c = tl.load(centroids_ptr + codes, mask=kv_mask, other=0.0)  # [BLOCK_N, HEAD_DIM_PAD]
-        weight = norm_correction(reduce_sum(c * c, 1), slot_ptr, n_mask, KEY_CODE_BYTES, FP16_ALIGNED, ACC_DTYPE)
-        if DOT_DTYPE == ACC_DTYPE:
-            s = mma(q, tl.trans(c), False)
-        else:
-            c_hi, c_lo = split_hi_lo(c, DOT_DTYPE)
-            s = mma(q, tl.trans(c_hi), UPCAST) + mma(q, tl.trans(c_lo), UPCAST) + mma(q_lo, tl.trans(c_hi), UPCAST)
-        s = s * weight[None, :]
+        codes = tile_codes(slot_ptr, n_mask, d, kv_mask, KEY_BITS, KEY_CODE_BYTES, HEAD_DIM)
+        c = centroid_values(codes, centroids_ptr, KEY_BITS)  # [BLOCK_N, HEAD_DIM_PAD]
+        s = lloyd_max_products(q, q_lo, c, None, ACC_DTYPE, DOT_DTYPE, UPCAST)
+        s = s * load_fp16(slot_ptr + KEY_CODE_BYTES, n_mask, FP16_ALIGNED).to(ACC_DTYPE)[None, :]
     return s
+
+
+@triton.jit
+def centroid_values(codes, centroids_ptr, BITS: tl.constexpr):
+    """The centroid of each code (int32, any shape) from the 2^BITS-entry table at ``centroids_ptr`` (BITS 3 or 4):
+    the entries are loaded as scalars and picked by a tree of selects on the code's bits. Gathering each element's
+    centroid from memory instead was the Lloyd-Max keys' main cost (3x slower on an H200, BENCHMARKS.md
+    session 13)."""
+    tl.static_assert((BITS == 3) | (BITS == 4), "Lloyd-Max keys have 3- or 4-bit codes")
+    lower = select8(codes, centroids_ptr)
+    if BITS == 4:
+        return tl.where((codes & 8) != 0, select8(codes, centroids_ptr + 8), lower)
+    return lower
+
+
+@triton.jit
+def select8(codes, table_ptr):
+    """table[codes & 7] for the 8 entries at ``table_ptr``: three levels of selects on bits 0, 1, 2."""
+    b0, b1, b2 = (codes & 1) != 0, (codes & 2) != 0, (codes & 4) != 0
+    t0, t1, t2, t3 = tl.load(table_ptr), tl.load(table_ptr + 1), tl.load(table_ptr + 2), tl.load(table_ptr + 3)
+    t4, t5, t6, t7 = tl.load(table_ptr + 4), tl.load(table_ptr + 5), tl.load(table_ptr + 6), tl.load(table_ptr + 7)
+    low = tl.where(b1, tl.where(b0, t3, t2), tl.where(b0, t1, t0))
+    high = tl.where(b1, tl.where(b0, t7, t6), tl.where(b0, t5, t4))
+    return tl.where(b2, high, low)
+
+
+@triton.jit
+def lloyd_max_products(q, q_lo, c, acc, ACC_DTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr, UPCAST: tl.constexpr):
+    """``acc`` (None: 0) + (q + q_lo) @ c^T for centroids c [BLOCK_N, dims] in the accumulator dtype. On the tensor
+    cores c is an exact 16-bit operand (the codebook's values are bf16 numbers, ops/lloyd_max.py) and the fp32 rotated
+    q its two 16-bit halves (``split_hi_lo``): two MMAs; without tensor cores one product in the accumulator
+    dtype."""
+    if DOT_DTYPE == ACC_DTYPE:
+        return mma(q, tl.trans(c), False, acc)
+    c16 = tl.trans(c.to(DOT_DTYPE))
+    return mma(q_lo, c16, UPCAST, mma(q, c16, UPCAST, acc))
 
 
 @triton.jit
@@ -149,53 +182,34 @@ def chunked_lloyd_max_scores(q_rows, q_row_mask, slot_ptr, n_mask, centroids_ptr
                              DOT_DTYPE: tl.constexpr, UPCAST: tl.constexpr):  # fmt: skip
     """``tile_scores`` of Lloyd-Max keys whose bit streams start at ``slot_ptr`` [BLOCK_N], the head dims taken
     KEY_DIM_CHUNK at a time (``lloyd_max_chunk``): unrolled (KEY_DIM_UNROLL: the compiler may overlap the chunks'
-    loads) or a runtime loop (only one chunk's codes and centroids can be live). ||c||^2 and the products of every
-    chunk accumulate in chunk order: the same sum as the whole-head path, in another order, so other bits."""
+    loads) or a runtime loop (only one chunk's codes and centroids can be live). The products of every chunk
+    accumulate in chunk order: the same sum as the whole-head path, in another order, so other bits."""
     s = tl.full([q_rows.shape[0], n_mask.shape[0]], 0, ACC_DTYPE)
-    c_sq = tl.full([n_mask.shape[0]], 0, ACC_DTYPE)
     if KEY_DIM_UNROLL:
         for dim_start in tl.static_range(0, HEAD_DIM, KEY_DIM_CHUNK):
-            s, c_sq = lloyd_max_chunk(s, c_sq, dim_start, q_rows, q_row_mask, slot_ptr, n_mask, centroids_ptr, KEY_BITS,
-                                      KEY_CODE_BYTES, KEY_DIM_CHUNK, HEAD_DIM, ACC_DTYPE, DOT_DTYPE,
-                                      UPCAST)  # fmt: skip
+            s = lloyd_max_chunk(s, dim_start, q_rows, q_row_mask, slot_ptr, n_mask, centroids_ptr, KEY_BITS,
+                                KEY_CODE_BYTES, KEY_DIM_CHUNK, HEAD_DIM, ACC_DTYPE, DOT_DTYPE, UPCAST)  # fmt: skip
     else:
         for dim_start in range(0, HEAD_DIM, KEY_DIM_CHUNK):
-            s, c_sq = lloyd_max_chunk(s, c_sq, dim_start, q_rows, q_row_mask, slot_ptr, n_mask, centroids_ptr, KEY_BITS,
-                                      KEY_CODE_BYTES, KEY_DIM_CHUNK, HEAD_DIM, ACC_DTYPE, DOT_DTYPE,
-                                      UPCAST)  # fmt: skip
-    return s * norm_correction(c_sq, slot_ptr, n_mask, KEY_CODE_BYTES, FP16_ALIGNED, ACC_DTYPE)[None, :]
+            s = lloyd_max_chunk(s, dim_start, q_rows, q_row_mask, slot_ptr, n_mask, centroids_ptr, KEY_BITS,
+                                KEY_CODE_BYTES, KEY_DIM_CHUNK, HEAD_DIM, ACC_DTYPE, DOT_DTYPE, UPCAST)  # fmt: skip
+    return s * load_fp16(slot_ptr + KEY_CODE_BYTES, n_mask, FP16_ALIGNED).to(ACC_DTYPE)[None, :]
 
 
 @triton.jit
-def norm_correction(c_sq, slot_ptr, n_mask, KEY_CODE_BYTES: tl.constexpr, FP16_ALIGNED: tl.constexpr,
-                    ACC_DTYPE: tl.constexpr):  # fmt: skip
-    """||k|| / ||c|| [BLOCK_N] of Lloyd-Max keys: the stored norm (the fp16 after each slot's KEY_CODE_BYTES code
-    bytes) over the centroid vector's norm, from its squared norm ``c_sq``; masked keys: 0."""
-    c_norm = tl.sqrt(c_sq)
-    norm = load_fp16(slot_ptr + KEY_CODE_BYTES, n_mask, FP16_ALIGNED).to(ACC_DTYPE)
-    return norm / tl.where(c_norm > 0, c_norm, 1.0)
-
-
-@triton.jit
-def lloyd_max_chunk(s, c_sq, dim_start, q_rows, q_row_mask, slot_ptr, n_mask, centroids_ptr, KEY_BITS: tl.constexpr,
+def lloyd_max_chunk(s, dim_start, q_rows, q_row_mask, slot_ptr, n_mask, centroids_ptr, KEY_BITS: tl.constexpr,
                     KEY_CODE_BYTES: tl.constexpr, KEY_DIM_CHUNK: tl.constexpr, HEAD_DIM: tl.constexpr,
                     ACC_DTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr, UPCAST: tl.constexpr):  # fmt: skip
-    """(s, c_sq) plus head dims dim_start .. + KEY_DIM_CHUNK: the query columns loaded from ``q_rows`` (a few KiB,
-    cache-resident) and split as ``tile_queries`` does, the keys' centroids [BLOCK_N, KEY_DIM_CHUNK] decoded, their
-    squares summed into ``c_sq`` and the products (hi.hi, hi.lo, lo.hi) accumulated into ``s`` by the MMAs."""
+    """s plus head dims dim_start .. + KEY_DIM_CHUNK: the query columns loaded from ``q_rows`` (a few KiB,
+    cache-resident) and split as ``tile_queries`` does, the keys' centroids [BLOCK_N, KEY_DIM_CHUNK] decoded and
+    multiplied by ``lloyd_max_products``."""
     d = dim_start + tl.arange(0, KEY_DIM_CHUNK)
     q = tl.load(q_rows[:, None] + d[None, :], mask=q_row_mask[:, None] & (d[None, :] < HEAD_DIM), other=0.0)
     q, q_lo = tile_queries(q, ENC_LLOYD_MAX, ACC_DTYPE, DOT_DTYPE)
     kv_mask = n_mask[:, None] & (d[None, :] < HEAD_DIM)
-    codes = tile_codes(slot_ptr, n_mask, d, kv_mask, KEY_BITS, KEY_CODE_BYTES, HEAD_DIM, False, dim_start)
-    c = tl.load(centroids_ptr + codes, mask=kv_mask, other=0.0)  # [BLOCK_N, KEY_DIM_CHUNK]
-    c_sq += reduce_sum(c * c, 1)
-    if DOT_DTYPE == ACC_DTYPE:
-        return mma(q, tl.trans(c), False, s), c_sq
-    c_hi, c_lo = split_hi_lo(c, DOT_DTYPE)
-    s = mma(q, tl.trans(c_hi), UPCAST, s)
-    s = mma(q, tl.trans(c_lo), UPCAST, s)
-    return mma(q_lo, tl.trans(c_hi), UPCAST, s), c_sq
+    codes = tile_codes(slot_ptr, n_mask, d, kv_mask, KEY_BITS, KEY_CODE_BYTES, HEAD_DIM, dim_start)
+    return lloyd_max_products(q, q_lo, centroid_values(codes, centroids_ptr, KEY_BITS), s, ACC_DTYPE, DOT_DTYPE,
+                              UPCAST)  # fmt: skip
 
 
 @triton.jit
@@ -216,12 +230,18 @@ def tile_pv(p, value_ptr, slot_off, d, n_mask, kv_mask, VALUE_ENC: tl.constexpr,
         return mma(p.to(DOT_DTYPE), v, UPCAST)
     else:
         slot_ptr = value_ptr + slot_off  # [BLOCK_N]
-        codes = tile_codes(slot_ptr, n_mask, d, kv_mask, VALUE_BITS, VALUE_CODE_BYTES, HEAD_DIM)
+        codes = code_floats(tile_codes(slot_ptr, n_mask, d, kv_mask, VALUE_BITS, VALUE_CODE_BYTES, HEAD_DIM))
         v_scale = load_fp16(slot_ptr + VALUE_CODE_BYTES, n_mask, FP16_ALIGNED).to(ACC_DTYPE)
         v_zero = load_fp16(slot_ptr + VALUE_CODE_BYTES + 2, n_mask, FP16_ALIGNED).to(ACC_DTYPE)
         if DOT_DTYPE == ACC_DTYPE:
             v = codes.to(ACC_DTYPE) * v_scale[:, None] + v_zero[:, None]
             return mma(p, tl.where(kv_mask, v, 0.0), False)
         scaled = (p * v_scale[None, :]).to(DOT_DTYPE)
-        codes = codes.to(tl.float32).to(DOT_DTYPE)  # via fp32: Triton 3.6's interpreter casts int32 -> bf16 wrongly
-        return mma(scaled, codes, UPCAST) + reduce_sum(p * v_zero[None, :], 1)[:, None]
+        return mma(scaled, codes.to(DOT_DTYPE), UPCAST) + reduce_sum(p * v_zero[None, :], 1)[:, None]
+
+
+@triton.jit
+def code_floats(codes):
+    """int32 codes (0 <= code < 2^23) as the fp32 numbers they are, exactly: the code's bits placed in the mantissa
+    of 2^23 (an or and a subtraction, cheaper than a conversion instruction); 16-bit from there is exact too."""
+    return (codes | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0

@@ -19,7 +19,7 @@ import triton.language as tl
 
 @triton.jit
 def tile_codes(slot_ptr, n_mask, d, kv_mask, BITS: tl.constexpr, NUM_BYTES: tl.constexpr, HEAD_DIM: tl.constexpr,
-               EXPAND_NIBBLES: tl.constexpr = True, dim_start=0):  # fmt: skip
+               dim_start=0):  # fmt: skip
     """The codes [BLOCK_N, HEAD_DIM_PAD] (int32, 0 where ``kv_mask`` is off) of the slots whose packed bit streams
     (NUM_BYTES bytes each) start at ``slot_ptr`` [BLOCK_N], for the dims ``d``: 0 .. HEAD_DIM_PAD - 1, or a chunk
     dim_start + arange(HEAD_DIM_PAD) (``dim_start`` a multiple of 8, a constant or a runtime int; HEAD_DIM_PAD is
@@ -27,12 +27,10 @@ def tile_codes(slot_ptr, n_mask, d, kv_mask, BITS: tl.constexpr, NUM_BYTES: tl.c
     [BLOCK_N, HEAD_DIM_PAD / 2] bytes, code 2i the low nibble of byte i and 2i + 1 the high one; 3-bit codes as
     three byte planes [BLOCK_N, HEAD_DIM_PAD / 8] (bytes 3g, 3g + 1, 3g + 2 hold codes 8g .. 8g + 7 as one 24-bit
     little-endian word). Both interleave with ``tl.join`` + ``tl.reshape``. Head dims these cannot cover (odd for
-    4-bit, not a multiple of 8 for 3-bit) take ``unpack_codes``, and so do 4-bit codes with EXPAND_NIBBLES off:
-    Lloyd-Max keys, whose centroid gather ran 1.4x slower after the nibble interleave than after per-element loads
-    (H200, BENCHMARKS.md session 12), unlike uniform values (1.2-1.3x faster)."""
+    4-bit, not a multiple of 8 for 3-bit) take ``unpack_codes``."""
     BLOCK_N: tl.constexpr = n_mask.shape[0]
     HEAD_DIM_PAD: tl.constexpr = d.shape[0]
-    if (BITS == 4) & (HEAD_DIM % 2 == 0) & EXPAND_NIBBLES:
+    if (BITS == 4) & (HEAD_DIM % 2 == 0):
         slot_ptr += dim_start // 2
         b = tl.arange(0, HEAD_DIM_PAD // 2)
         byte_mask = n_mask[:, None] & (b[None, :] < (HEAD_DIM - dim_start) // 2)

@@ -8,12 +8,13 @@ softmax, merge kernel, workspace chunking and sparse-V tile skip, with each K / 
 the model-dtype kernel loads it (never written back):
 
 - ``fp8`` keys / values: D bytes, bitcast to ``tl.float8e4nv`` and widened (scale 1.0, as the reference).
-- Lloyd-Max keys (``turboquant_*_nc``): codes unpacked from the little-endian bit stream, centroids looked up in
-  a small table, scores ``<q_rot, c> * norm / ||c||`` (norm correction); keys are never rotated back.
+- Lloyd-Max keys (``turboquant_*_nc``): codes unpacked from the little-endian bit stream, centroids picked from
+  the table by selects, scores ``<q_rot, c> * scale`` (the stored scale holds the norm correction); keys are never
+  rotated back.
 - Uniform values: codes unpacked the same way, ``v = code * scale + zero`` (fp16 scale / zero, little-endian).
 
-For 16-bit models the products run on the tensor cores (kv_tiles.py: fp8 bytes and value codes are exact 16-bit
-operands; the rotated q and the centroids are split into two 16-bit halves), accumulated in fp32; fp32 models
+For 16-bit models the products run on the tensor cores (kv_tiles.py: fp8 bytes, value codes and Lloyd-Max centroids are
+exact 16-bit operands; the rotated q is split into two 16-bit halves), accumulated in fp32; fp32 models
 multiply decoded tiles in IEEE fp32, fp64 models in fp64. Softmax runs in fp32 (fp64), the output in q's dtype.
 
 A row's split layout and tiles are functions of its number of keys and the compile-time constants only
@@ -35,10 +36,11 @@ passes none of them: it runs the defaults.
 
 Not done yet (speed only; correctness does not need them):
 - per-layer calibrated fp8 k_scale / v_scale (the formats use 1.0, as the reference).
-- no GPU tuning for packed caches: BLOCK_N / MAX_SPLITS / MIN_SPLIT_KEYS / num_warps are the model-dtype
-  kernel's defaults and key_dim_chunk the whole head, all untuned (benchmarks/packed_attention_tune.py sweeps
-  block_n x num_warps x key_dim_chunk; the cap of 64 splits, meant for these formats at 8K-32K keys, is
-  still to be measured).
+- GPU tuning for packed caches: only num_warps (8 for 4-bit Lloyd-Max keys, ``LLOYD_MAX_4BIT_WARPS``, at one query
+  row over 32K keys; at 4+ rows it was not compared with 4). BLOCK_N / MAX_SPLITS / MIN_SPLIT_KEYS are the
+  model-dtype kernel's defaults (benchmarks/packed_attention_tune.py sweeps block_n x num_warps x key_dim_chunk;
+  on an H200 its block_n 16 rows for uniform values and Lloyd-Max keys at head_dim 256 over 32K keys were 7e-2 to
+  8e-2 away from the default's output, not understood yet; the tests' block_n 16 at small head dims passes).
 """
 
 from functools import cache
@@ -67,6 +69,10 @@ from truespec.ops.precision import compute_dtype
 FP8, LLOYD_MAX, UNIFORM = "fp8", "lloyd_max", "uniform"
 KEY_ENCODINGS = {FP8: kv_tiles.FP8, LLOYD_MAX: kv_tiles.LLOYD_MAX}
 VALUE_ENCODINGS = {FP8: kv_tiles.FP8, UNIFORM: kv_tiles.UNIFORM}
+# 4-bit Lloyd-Max key tiles need ~250 registers a thread at 4 warps: at 8 warps the kernel ran 1.6x faster with the
+# same output bits (H200, 32K keys, benchmarks/packed_attention_tune.py; BENCHMARKS.md session 13); 3-bit keys and
+# the other formats were fastest (or within noise) at the engine's 4
+LLOYD_MAX_4BIT_WARPS = 8
 
 
 class KVFormat(Protocol):
@@ -91,8 +97,12 @@ class KVFormat(Protocol):
 
 @cache
 def _centroid_table(head_dim: int, bits: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Lloyd-Max centroids [2^bits] on ``device`` (cached: no host-to-device copy once warmed up)."""
-    return lloyd_max_codebook(head_dim, bits)[0].to(device=device, dtype=dtype)
+    """Lloyd-Max centroids [2^bits] on ``device`` (cached: no host-to-device copy once warmed up), in ``dtype``; the
+    kernels use them as exact bf16 / fp16 operands, which the codebook guarantees (checked here)."""
+    centroids = lloyd_max_codebook(head_dim, bits)[0]
+    for narrow in (torch.bfloat16, torch.float16):
+        assert torch.equal(centroids.to(narrow).float(), centroids), f"centroids not exact in {narrow}"
+    return centroids.to(device=device, dtype=dtype)
 
 
 def _rotate(q: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
@@ -156,7 +166,7 @@ def paged_attention_packed(
     block_n: int = BLOCK_N,
     max_splits: int = MAX_SPLITS,
     min_split_keys: int = MIN_SPLIT_KEYS,
-    num_warps: int = NUM_WARPS,
+    num_warps: int | None = None,
     max_workspace_bytes: int = MAX_WORKSPACE_BYTES,
     sparse_v_threshold: float | None = None,
     sparse_v_min_keys: int = 0,
@@ -168,14 +178,15 @@ def paged_attention_packed(
     position ``seq_lens[r] - query_len + i``. Rows past ``query_start_loc[-1]`` (padding) come back as zeros.
     No host sync and no shape derived from the batch content. The split layout, workspace and sparse-V arguments
     are ``paged_attention``'s: ``block_n``, ``max_splits``, ``min_split_keys``, ``num_warps`` fix each row's
-    arithmetic (keep them the same for every call of a model: invariant 4); ``sparse_v_threshold`` None is off,
+    arithmetic (keep them the same for every call of a model: invariant 4; ``num_warps`` None: the format's own,
+    ``CacheTiles.num_warps``); ``sparse_v_threshold`` None is off,
     0 gives the same bits as off. ``key_dim_chunk`` (Lloyd-Max keys): head dims decoded and scored at a time
     (kernels/kv_tiles.py), over the chunks in an unrolled loop (``key_dim_unroll``) or a runtime one; None, the
     whole head, gives the engine's bits; per-model constants too. Returns ``out`` (allocated if None) in q's dtype."""
     q_in, tiles = packed_cache_tiles(q, kv_cache, fmt, head_dim, key_dim_chunk, key_dim_unroll)
     out = torch.empty_like(q) if out is None else out
     return split_attention(q_in, tiles, query_start_loc, seq_lens, block_tables, scale, out, block_n, max_splits,
-                           min_split_keys, num_warps, max_workspace_bytes, sparse_v_threshold,
+                           min_split_keys, num_warps or tiles.num_warps, max_workspace_bytes, sparse_v_threshold,
                            sparse_v_min_keys)  # fmt: skip
 
 
@@ -204,7 +215,7 @@ def packed_cache_tiles(q: torch.Tensor, kv_cache: torch.Tensor, fmt: KVFormat, h
                          "register-decoded operands): fp64 models read packed caches through the torch reference")
     acc_dtype = compute_dtype(q.dtype)
     if fmt.is_rotated:
-        assert fmt.key_bits is not None and fmt.norm_correction, "Lloyd-Max keys are read with norm correction"
+        assert fmt.key_bits is not None
         q_in = _rotate(q.to(acc_dtype), hadamard(head_dim, acc_dtype, q.device))  # once per step
         centroids = _centroid_table(head_dim, fmt.key_bits, acc_dtype, q.device)
         key_bits, key_code_bytes = fmt.key_bits, packed_size(head_dim, fmt.key_bits)
@@ -219,6 +230,7 @@ def packed_cache_tiles(q: torch.Tensor, kv_cache: torch.Tensor, fmt: KVFormat, h
                     KEY_DIM_CHUNK=key_dim_chunk, KEY_DIM_UNROLL=key_dim_unroll or key_dim_chunk == pad_pow2(head_dim),
                     VALUE_ENC=VALUE_ENCODINGS[fmt.value_encoding], VALUE_BITS=value_bits,
                     VALUE_CODE_BYTES=value_code_bytes, FP16_ALIGNED=is_fp16_aligned(kv_cache, fp16_fields))  # fmt: skip
+    num_warps = LLOYD_MAX_4BIT_WARPS if fmt.is_rotated and key_bits == 4 else NUM_WARPS
     tiles = CacheTiles(kv_cache, block_size, num_kv_heads, (kv_cache.stride(0), kv_cache.stride(1),
-                       kv_cache.stride(2)), fmt.key_bytes(head_dim), centroids, encoding)  # fmt: skip
+                       kv_cache.stride(2)), fmt.key_bytes(head_dim), centroids, encoding, num_warps)  # fmt: skip
     return q_in, tiles

@@ -25,7 +25,6 @@ from truespec.kernels.paged_attention import (
     MAX_SPLITS,
     MAX_WORKSPACE_BYTES,
     MIN_SPLIT_KEYS,
-    NUM_WARPS,
     split_attention,
 )
 from truespec.kernels.paged_attention_packed import KVFormat, cache_tiles
@@ -60,7 +59,7 @@ def step_attention(
     if is_prompt_only and num_prompt_rows is not None:
         return prefill_rows(q_in, tiles, query_start_loc, seq_lens, block_tables, num_prompt_rows, scale, out)
     split_attention(q_in, tiles, query_start_loc, seq_lens, block_tables, scale, out, BLOCK_N, MAX_SPLITS,
-                    MIN_SPLIT_KEYS, NUM_WARPS, max_workspace_bytes, sparse_v_threshold, sparse_v_min_keys,
+                    MIN_SPLIT_KEYS, tiles.num_warps, max_workspace_bytes, sparse_v_threshold, sparse_v_min_keys,
                     num_prompt_rows)  # fmt: skip
     if num_prompt_rows is not None:
         prefill_rows(q_in, tiles, query_start_loc, seq_lens, block_tables, num_prompt_rows, scale, out)

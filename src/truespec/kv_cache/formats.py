@@ -7,7 +7,8 @@ One token's slot for one KV head is its key part followed by its value part; mul
 - ``fp8``: K then V, D float8_e4m3fn bytes each (k_scale / v_scale are per layer, 1.0 unless calibrated).
 - ``turboquant_k8v4``: K = D fp8 bytes (per-tensor scale); V = ceil(4D / 8) code bytes, fp16 scale, fp16 zero.
 - ``turboquant_4bit_nc`` / ``turboquant_k3v4_nc`` / ``turboquant_3bit_nc``: K = ceil(bD / 8) Lloyd-Max code bytes
-  (Hadamard-rotated basis) then the fp16 norm; V = ceil(bD / 8) uniform code bytes, fp16 scale, fp16 zero.
+  (Hadamard-rotated basis) then the key's fp16 scale (||k|| / ||c||: the norm correction applied when the key is
+  stored, ops/kv_quant.py); V = ceil(bD / 8) uniform code bytes, fp16 scale, fp16 zero.
 
 At head_dim 128 that is 196 / 134 / 118 / 102 bytes for the four TurboQuant presets (bf16: 512), at 256 it is
 388 / 262 / 230 / 198 (bf16: 1024). The TurboQuant presets keep the first and last two attention layers of a
@@ -39,7 +40,7 @@ from truespec.ops.precision import compute_dtype
 # what a key or value vector is stored as
 MODEL = "model"  # the model's dtype, unchanged
 FP8 = "fp8"  # float8_e4m3fn with a per-tensor scale
-LLOYD_MAX = "lloyd_max"  # TurboQuant MSE codes of the rotated unit key + fp16 norm
+LLOYD_MAX = "lloyd_max"  # TurboQuant MSE codes of the rotated unit key + fp16 scale
 UNIFORM = "uniform"  # asymmetric min/max codes + fp16 scale and zero
 
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "attention")
@@ -56,7 +57,7 @@ class KVFormat:
     value_encoding: str  # MODEL | FP8 | UNIFORM
     key_bits: int | None = None  # code bits of LLOYD_MAX keys
     value_bits: int | None = None  # code bits of UNIFORM values
-    norm_correction: bool = False  # LLOYD_MAX keys: centroid vector rescaled to unit length at read ("nc")
+    norm_correction: bool = False  # LLOYD_MAX keys: centroid vector rescaled to unit length ("nc"), in the stored scale
     is_lossy: bool = True
     keeps_boundary_layers: bool = False  # dense models keep their first / last attention layers unquantised
 
@@ -80,14 +81,15 @@ class KVFormat:
     # ---- one slot's bytes (the torch reference of the store and the read; formats other than auto) ------------
     def encode(self, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """k, v [T, H, D] -> uint8 [T, H, bytes_per_token]: each (token, head)'s key part, then its value part."""
-        return torch.cat([_encode(self.key_encoding, self.key_bits, k, is_key=True),
+        return torch.cat([_encode(self.key_encoding, self.key_bits, k, is_key=True,
+                                  norm_correction=self.norm_correction),
                           _encode(self.value_encoding, self.value_bits, v, is_key=False)], dim=-1)
 
     def decode(self, slots: torch.Tensor, head_dim: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """uint8 [S, H, bytes_per_token] -> k, v [S, H, D] in ``dtype`` (keys back in the original basis)."""
         key_bytes = self.key_bytes(head_dim)
-        keys = _decode(self.key_encoding, self.key_bits, slots[..., :key_bytes], head_dim, dtype, self.norm_correction)
-        return keys, _decode(self.value_encoding, self.value_bits, slots[..., key_bytes:], head_dim, dtype, False)
+        keys = _decode(self.key_encoding, self.key_bits, slots[..., :key_bytes], head_dim, dtype)
+        return keys, _decode(self.value_encoding, self.value_bits, slots[..., key_bytes:], head_dim, dtype)
 
     def check_head_dim(self, head_dim: int) -> None:
         """Raise a ValueError naming ``kv_cache_dtype`` if this format cannot store heads of ``head_dim``."""
@@ -144,19 +146,19 @@ def compressed_layers(layer_types_or_count: Sequence[str] | int, is_hybrid: bool
     return tuple(attention[skip_first:max(0, len(attention) - skip_last)])
 
 
-def _encode(encoding: str, bits: int | None, x: torch.Tensor, is_key: bool) -> torch.Tensor:
+def _encode(encoding: str, bits: int | None, x: torch.Tensor, is_key: bool, norm_correction: bool = False
+            ) -> torch.Tensor:  # fmt: skip
     """x [T, H, D] -> uint8 [T, H, vector bytes] (fp16 fields little-endian, as the device stores them)."""
     if encoding == FP8:
         return fp8_store(x).view(torch.uint8)
     if encoding == LLOYD_MAX:
-        keys = quantize_keys(x, bits)
-        return torch.cat([keys.codes, _fp16_bytes(keys.norms)], dim=-1)
+        keys = quantize_keys(x, bits, norm_correction)
+        return torch.cat([keys.codes, _fp16_bytes(keys.scales)], dim=-1)
     values = quantize_values(x, bits)
     return torch.cat([values.codes, _fp16_bytes(values.scales), _fp16_bytes(values.zeros)], dim=-1)
 
 
-def _decode(encoding: str, bits: int | None, raw: torch.Tensor, head_dim: int, dtype: torch.dtype,
-            norm_correction: bool) -> torch.Tensor:
+def _decode(encoding: str, bits: int | None, raw: torch.Tensor, head_dim: int, dtype: torch.dtype) -> torch.Tensor:
     """Computed in ``dtype``'s compute dtype (fp32 for 16-bit models: the rotation back is not rounded to 16 bits
     midway), then rounded to ``dtype`` once."""
     wide = compute_dtype(dtype)
@@ -165,7 +167,7 @@ def _decode(encoding: str, bits: int | None, raw: torch.Tensor, head_dim: int, d
     num_code_bytes = packed_size(head_dim, bits)
     codes, fields = raw[..., :num_code_bytes], raw[..., num_code_bytes:].contiguous().view(torch.float16)
     if encoding == LLOYD_MAX:
-        return dequantize_keys(QuantizedKeys(codes, fields[..., 0], bits, head_dim), wide, norm_correction).to(dtype)
+        return dequantize_keys(QuantizedKeys(codes, fields[..., 0], bits, head_dim), wide).to(dtype)
     return dequantize_values(QuantizedValues(codes, fields[..., 0], fields[..., 1], bits, head_dim), wide).to(dtype)
 
 

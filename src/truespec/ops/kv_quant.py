@@ -9,10 +9,13 @@ fp8 e4m3), so only a coordinate within rounding of a decision boundary can code 
 - FP8 (``fp8``, the keys of ``turboquant_k8v4``): ``x / scale`` saturated to +-448, cast round-to-nearest-even to
   float8_e4m3fn; read ``fp8 * scale``. The scale is per tensor (one k_scale, one v_scale per layer) and, as in
   vLLM, 1.0 unless calibrated scales are supplied (``DEFAULT_KV_SCALE``).
-- TurboQuant keys (3 or 4 bits): ||k|| as fp16; k / ||k|| rotated by the normalised Sylvester Hadamard matrix;
-  each rotated coordinate coded by its Lloyd-Max codebook (ops/lloyd_max.py); codes bit-packed. With norm
-  correction ("nc") the centroid vector c is rescaled to unit length at read: k^ = ||k|| H c / ||c||. H is
-  symmetric and orthonormal (its own inverse), so a query is rotated once and scored against c directly.
+- TurboQuant keys (3 or 4 bits): k / ||k|| rotated by the normalised Sylvester Hadamard matrix; each rotated
+  coordinate coded by its Lloyd-Max codebook (ops/lloyd_max.py); codes bit-packed; then the key's fp16 scale. With
+  norm correction ("nc") the centroid vector c stands for a unit vector, k^ = ||k|| H c / ||c||, and the scale is
+  ||k|| / ||c||, computed when the key is stored (||c||^2 summed in float64, where every partial sum of the
+  bf16-exact squares is exact, so any summation order gives the same bits); without nc it is ||k||. A read is then
+  k^ = scale * H c. H is symmetric and orthonormal (its own inverse), so a query is rotated once and scored against
+  c directly.
 - Values (never rotated): per token and head, asymmetric uniform codes over [min, max] with fp16 scale and zero.
 
 Packing: code j of a vector occupies bits [j * bits, (j + 1) * bits) of a little-endian bit stream whose bit i is
@@ -37,7 +40,7 @@ DEFAULT_KV_SCALE = 1.0  # vLLM's k_scale / v_scale when no calibrated scales are
 
 class QuantizedKeys(NamedTuple):
     codes: torch.Tensor  # uint8 [T, H, ceil(D * bits / 8)]: packed Lloyd-Max codes of the rotated unit key
-    norms: torch.Tensor  # float16 [T, H]: ||k||
+    scales: torch.Tensor  # float16 [T, H]: ||k|| / ||c|| with norm correction, else ||k||
     bits: int
     head_dim: int
 
@@ -110,54 +113,58 @@ def fp8_load(x: torch.Tensor, scale: float = DEFAULT_KV_SCALE, dtype: torch.dtyp
     return x.to(dtype) * scale
 
 
-def quantize_keys(k: torch.Tensor, bits: int) -> QuantizedKeys:
-    """Keys [T, H, D] -> TurboQuant MSE codes: fp16 norm, Lloyd-Max codes of the Hadamard-rotated unit key.
+def quantize_keys(k: torch.Tensor, bits: int, norm_correction: bool = True) -> QuantizedKeys:
+    """Keys [T, H, D] -> TurboQuant MSE codes: Lloyd-Max codes of the Hadamard-rotated unit key and the fp16 scale.
 
-    The norm is sqrt(sum k^2) in the compute dtype; a zero key stores norm 0 (and reads back as 0).
+    The norm is sqrt(sum k^2) in the compute dtype; a zero key stores scale 0 (and reads back as 0). With
+    ``norm_correction`` the scale is ||k|| / ||c|| (``centroid_norms``), divided in float64, else ||k||.
     """
     head_dim = k.shape[-1]
     x = k.to(compute_dtype(k.dtype))
     norms = torch.sqrt((x * x).sum(-1))  # [T, H]
     unit = x / norms.clamp_min(torch.finfo(x.dtype).tiny).unsqueeze(-1)
-    _, boundaries = lloyd_max_codebook(head_dim, bits)
+    centroids, boundaries = lloyd_max_codebook(head_dim, bits)
     codes = codebook_codes(rotate(unit), boundaries)  # [T, H, D]
-    return QuantizedKeys(pack_codes(codes, bits), _to_fp16(norms), bits, head_dim)
+    scales = norms.double() / centroid_norms(centroids.to(x.device)[codes.long()]) if norm_correction else norms
+    return QuantizedKeys(pack_codes(codes, bits), _to_fp16(scales), bits, head_dim)
+
+
+def centroid_norms(c: torch.Tensor) -> torch.Tensor:
+    """||c|| [...] of centroid vectors c [..., D] (bf16-exact values), in float64. Each square is exact (16 significant
+    bits) and so is every partial sum: their bits span at most 16 + log2(D * c_max^2 / c_min^2) < 53 bits for the
+    codebooks of up to 4 bits at head dims up to 4096 (tests/test_kv_quant.py checks it), so the sum has the same
+    bits in any order and a kernel's reduction gives exactly this (kernels/kv_store_packed.py)."""
+    c = c.double()
+    return torch.sqrt((c * c).sum(-1))
 
 
 def key_centroids(keys: QuantizedKeys, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The centroid vectors c [T, H, D] of stored keys, in the rotated basis (no norm applied)."""
+    """The centroid vectors c [T, H, D] of stored keys, in the rotated basis (no scale applied)."""
     centroids, _ = lloyd_max_codebook(keys.head_dim, keys.bits)
     codes = unpack_codes(keys.codes, keys.bits, keys.head_dim).long()
     return centroids.to(device=keys.codes.device, dtype=dtype)[codes]
 
 
-def key_weights(keys: QuantizedKeys, c: torch.Tensor, norm_correction: bool = True) -> torch.Tensor:
-    """Per-key factor [T, H] that turns <q_rot, c> into a score: ||k|| / ||c|| with nc, else ||k||."""
-    norms = keys.norms.to(c.dtype)
-    return norms / torch.sqrt((c * c).sum(-1)) if norm_correction else norms
-
-
-def dequantize_keys(keys: QuantizedKeys, dtype: torch.dtype = torch.float32, norm_correction: bool = True
-                    ) -> torch.Tensor:
+def dequantize_keys(keys: QuantizedKeys, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Stored keys -> [T, H, D] in the original basis (for tests: attention never un-rotates keys)."""
     c = key_centroids(keys, dtype)
-    return rotate(c * key_weights(keys, c, norm_correction).unsqueeze(-1))
+    return rotate(c * keys.scales.to(dtype).unsqueeze(-1))
 
 
-def key_scores(q_rot: torch.Tensor, keys: QuantizedKeys, norm_correction: bool = True) -> torch.Tensor:
+def key_scores(q_rot: torch.Tensor, keys: QuantizedKeys) -> torch.Tensor:
     """q_rot [L, Hq, D] (queries already rotated: ``rotate(q)``) against stored keys [S, Hkv] -> [Hq, L, S].
 
-    score = <q_rot, c> * (||k|| / ||c||) with nc: equal to q . k^ with no inverse rotation, since
-    <H q, c> = <q, H c>. Unscaled (the caller applies the softmax scale). Query head h reads KV head
-    h // (Hq / Hkv) (GQA). Computed in q's compute dtype.
+    score = <q_rot, c> * scale: equal to q . k^ with no inverse rotation, since <H q, c> = <q, H c>. Unscaled
+    (the caller applies the softmax scale). Query head h reads KV head h // (Hq / Hkv) (GQA). Computed in q's
+    compute dtype.
     """
     dtype = compute_dtype(q_rot.dtype)
-    group = q_rot.shape[1] // keys.norms.shape[1]
+    group = q_rot.shape[1] // keys.scales.shape[1]
     c = key_centroids(keys, dtype)  # [S, Hkv, D]
-    weights = key_weights(keys, c, norm_correction).repeat_interleave(group, dim=1)  # [S, Hq]
+    scales = keys.scales.to(dtype).repeat_interleave(group, dim=1)  # [S, Hq]
     c = c.repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, S, D]
     dots = torch.matmul(q_rot.to(dtype).transpose(0, 1), c.transpose(1, 2))  # [Hq, L, S]
-    return dots * weights.t().unsqueeze(1)
+    return dots * scales.t().unsqueeze(1)
 
 
 def quantize_values(v: torch.Tensor, bits: int) -> QuantizedValues:

@@ -12,9 +12,12 @@ one (2.131 vs 2.152, in units of 1/sqrt(D), at 3 bits), the inner ones closer st
 
 The numerics are deterministic: the density is tabulated on a fixed grid in float64, its cumulative mass and first
 moment are integrated by the trapezoid rule (sequential cumsum), and Lloyd's iteration runs from quantile
-initial points, symmetrised every step, to a fixed tolerance. The result is rounded to float32 once; the decision
-boundaries are the float32 midpoints of neighbouring float32 centroids, so a Triton kernel handed these two tables
-classifies a float32 coordinate exactly as the reference does (``codebook_codes``).
+initial points, symmetrised every step, to a fixed tolerance. The result is rounded to bfloat16 once (8 significant
+bits: a relative change below 2^-9, which adds under 1e-5 of the unit-vector MSE) so that every centroid is exact as
+a bf16 or fp16 tensor-core operand: the attention kernels score the 16-bit centroids directly, with no hi / lo
+split (kernels/kv_tiles.py). The decision boundaries are the float32 midpoints of neighbouring centroids, so a
+Triton kernel handed these two tables classifies a float32 coordinate exactly as the reference does
+(``codebook_codes``).
 """
 
 from functools import cache
@@ -75,7 +78,8 @@ def _lloyd(head_dim: int, bits: int) -> torch.Tensor:
 
 @cache
 def lloyd_max_codebook(head_dim: int, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Centroids [2^bits] and decision boundaries [2^bits - 1], float32 on CPU, for one coordinate of a unit vector.
+    """Centroids [2^bits] (bf16-exact values) and decision boundaries [2^bits - 1], float32 on CPU, for one
+    coordinate of a unit vector.
 
     Cached per (head_dim, bits); callers move them to their device. Boundaries are the float32 midpoints of
     neighbouring centroids (the nearest-centroid rule); the middle boundary is exactly 0.
@@ -84,7 +88,7 @@ def lloyd_max_codebook(head_dim: int, bits: int) -> tuple[torch.Tensor, torch.Te
         raise ValueError(f"bits must be in 1..8, got {bits}")
     if head_dim < 4:
         raise ValueError(f"head_dim must be >= 4 for a Lloyd-Max key codebook, got {head_dim}")
-    centroids = _lloyd(head_dim, bits).to(torch.float32)
+    centroids = _lloyd(head_dim, bits).to(torch.bfloat16).to(torch.float32)  # exact in bf16, fp16 and fp32
     boundaries = (centroids[1:] + centroids[:-1]) / 2  # float32 arithmetic, as a kernel would do it
     return centroids, boundaries
 
