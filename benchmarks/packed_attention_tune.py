@@ -3,9 +3,10 @@ benchmarks/packed_attention_speed.py: one query row over ``--keys`` (default 327
 cap ``--max-splits`` (default the engine's): block_n 16 / 32 / 64 x num_warps 2 / 4 / 8 (not 2 warps at block_n 64)
 per cache, and for Lloyd-Max keys key_dim_chunk 128 / 64 / 32 too (kernels/kv_tiles.py), its chunk loop unrolled or
 a runtime loop, at 4 and 8 warps. Each cache's table is sorted by time and gives the kernel's registers and spilled
-(local memory) bytes per thread, and each output's max |diff| from the engine's default config (block_n 32, 4 warps,
-the whole head: the first row timed); configs that fail to compile or launch print why. ``--jobs`` processes first
-compile every config into Triton's disk cache (~160 compiles of 1-4 s), so the timing pass mostly loads binaries.
+(local memory) bytes per thread, and each output's max |diff| from the engine's default config (block_n 32, the
+whole head, the format's warps: the first row timed); configs that fail to compile or launch print why. ``--jobs``
+processes first compile every config into Triton's disk cache (~160 compiles of 1-4 s), so the timing pass mostly
+loads binaries.
 
     python3 benchmarks/packed_attention_tune.py [--keys 32768] [--max-splits 64] [--formats turboquant_4bit_nc ...]
         [--jobs 12]
@@ -23,12 +24,11 @@ import triton
 from packed_attention_speed import BLOCK, HKV, HQ, PACKED, D, batch
 
 from truespec.kernels.paged_attention import BLOCK_N, MAX_SPLITS, NUM_WARPS, _paged_attention_kernel, paged_attention
-from truespec.kernels.paged_attention_packed import paged_attention_packed
+from truespec.kernels.paged_attention_packed import LLOYD_MAX_4BIT_WARPS, paged_attention_packed
 from truespec.kv_cache.formats import FORMATS
 
 TUNE_FORMATS = ["bf16", *PACKED]
 TUNE_BLOCK_N, TUNE_WARPS, TUNE_CHUNKS = (16, 32, 64), (2, 4, 8), (128, 64, 32)
-DEFAULT_CONFIG = (BLOCK_N, NUM_WARPS, D, True)
 Config = tuple[int, int, int, bool]  # block_n, num_warps, key_dim_chunk, key_dim_unroll
 
 
@@ -39,7 +39,15 @@ def tune_configs(name: str) -> list[Config]:
     whole = [(n, w, D, True) for n in TUNE_BLOCK_N for w in TUNE_WARPS if (n, w) != (64, 2)]
     is_lloyd_max = name != "bf16" and FORMATS[name].is_rotated
     chunked = [(n, w, c, unroll) for c in TUNE_CHUNKS for unroll in (True, False) for n in TUNE_BLOCK_N for w in (4, 8)]
-    return [DEFAULT_CONFIG] + [c for c in whole + (chunked if is_lloyd_max else []) if c != DEFAULT_CONFIG]
+    default = default_config(name)
+    return [default] + [c for c in whole + (chunked if is_lloyd_max else []) if c != default]
+
+
+def default_config(name: str) -> Config:
+    """The engine's config for cache ``name``: block_n 32, the whole head, and the format's warps (8 for 4-bit
+    Lloyd-Max keys, kernels/paged_attention_packed.py ``LLOYD_MAX_4BIT_WARPS``; else 4)."""
+    is_4bit_lloyd_max = name != "bf16" and FORMATS[name].is_rotated and FORMATS[name].key_bits == 4
+    return BLOCK_N, LLOYD_MAX_4BIT_WARPS if is_4bit_lloyd_max else NUM_WARPS, D, True
 
 
 def tune_calls(num_keys: int, names: list[str], cap: int) -> dict[str, Callable[..., torch.Tensor]]:
