@@ -24,7 +24,7 @@ import triton
 from packed_attention_speed import BLOCK, HKV, HQ, PACKED, D, batch
 
 from truespec.kernels.paged_attention import BLOCK_N, MAX_SPLITS, NUM_WARPS, _paged_attention_kernel, paged_attention
-from truespec.kernels.paged_attention_packed import LLOYD_MAX_4BIT_WARPS, paged_attention_packed
+from truespec.kernels.paged_attention_packed import format_num_warps, paged_attention_packed
 from truespec.kv_cache.formats import FORMATS
 
 TUNE_FORMATS = ["bf16", *PACKED]
@@ -44,10 +44,9 @@ def tune_configs(name: str) -> list[Config]:
 
 
 def default_config(name: str) -> Config:
-    """The engine's config for cache ``name``: block_n 32, the whole head, and the format's warps (8 for 4-bit
-    Lloyd-Max keys, kernels/paged_attention_packed.py ``LLOYD_MAX_4BIT_WARPS``; else 4)."""
-    is_4bit_lloyd_max = name != "bf16" and FORMATS[name].is_rotated and FORMATS[name].key_bits == 4
-    return BLOCK_N, LLOYD_MAX_4BIT_WARPS if is_4bit_lloyd_max else NUM_WARPS, D, True
+    """The engine's config for cache ``name``: block_n 32, the whole head, and the format's warps
+    (kernels/paged_attention_packed.py ``format_num_warps``)."""
+    return BLOCK_N, NUM_WARPS if name == "bf16" else format_num_warps(FORMATS[name]), D, True
 
 
 def tune_calls(num_keys: int, names: list[str], cap: int) -> dict[str, Callable[..., torch.Tensor]]:

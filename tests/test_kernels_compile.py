@@ -5,9 +5,10 @@ that is not a ``tl.constexpr`` (the packed attention kernel once read MAX_SPLITS
 op with no lowering for a dtype. ``triton.compile`` with an explicit target runs the whole pipeline, ptxas included,
 on the CPU. The kernels must be defined compiled, so this runs in a subprocess without ``TRITON_INTERPRET``.
 Each cache dtype's attention loop (sparse-V on; off too for the model dtype; a bf16 model's tensor-core tiles, and
-an fp32 model's for two formats; fp16 fields by 16-bit loads, for k3v4_nc also by byte loads; 4bit_nc's keys also
-scored 64 head dims at a time, ``key_dim_chunk``, in both loop forms) and store kernel, the split merge kernel and
-the model-dtype loop at split caps 16 and 128, and the prefill kernel (model dtype, 4bit_nc), at head_dim 256.
+an fp32 model's for two formats; each at its format's warps; fp16 fields by 16-bit loads, for k3v4_nc also by
+byte loads; 4bit_nc's keys also scored 64 head dims at a time, ``key_dim_chunk``, in both loop forms) and store
+kernel, the split merge kernel and the model-dtype loop at split caps 16 and 128, and the prefill kernel (model
+dtype, 4bit_nc), at head_dim 256.
 """
 
 import os
@@ -34,11 +35,11 @@ prefill = importlib.import_module("truespec.kernels.prefill_attention")
 D = 256
 
 
-def compile_kernel(fn, constexprs, types):
+def compile_kernel(fn, constexprs, types, num_warps=4):
     params = list(inspect.signature(fn.fn).parameters)
     signature = {p: "constexpr" if p in constexprs else types.get(p, "i32") for p in params}
     source = ASTSource(fn=fn, signature=signature, constexprs={(params.index(k),): v for k, v in constexprs.items()})
-    triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
 
 
 def attention_types(cache, q):
@@ -62,10 +63,10 @@ for name in ["fp8", "turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc
     encoding = dict(KEY_ENC=packed.KEY_ENCODINGS[fmt.key_encoding], KEY_BITS=key_bits,
                     KEY_CODE_BYTES=packed_size(D, key_bits), VALUE_ENC=packed.VALUE_ENCODINGS[fmt.value_encoding],
                     VALUE_BITS=value_bits, VALUE_CODE_BYTES=packed_size(D, value_bits))
-    # fp16 norms / scales at even addresses (every preset's contiguous cache at D 256): one 16-bit load each
+    # fp16 key / value scales at even addresses (every preset's contiguous cache at D 256): one 16-bit load each
     for aligned in (True, False) if name == "turboquant_k3v4_nc" else (name != "fp8",):
         compile_kernel(attention._paged_attention_kernel, dict(layout, **encoding, SPARSE_V=True, FP16_ALIGNED=aligned),
-                       attention_types("*u8", "*fp32" if fmt.is_rotated else "*bf16"))
+                       attention_types("*u8", "*fp32" if fmt.is_rotated else "*bf16"), packed.format_num_warps(fmt))
     for unroll in (True, False) if name == "turboquant_4bit_nc" else ():  # keys scored 64 head dims at a time
         compile_kernel(attention._paged_attention_kernel, dict(layout, **encoding, SPARSE_V=True, FP16_ALIGNED=True,
                                                                KEY_DIM_CHUNK=64, KEY_DIM_UNROLL=unroll),
@@ -76,9 +77,10 @@ for name in ["fp8", "turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc
                                                                DOT_DTYPE=tl.float32, FP16_ALIGNED=True), types)
     compile_kernel(store._kv_store_packed_kernel,
                    dict(HEAD_DIM=D, HEAD_DIM_PAD=D, **encoding, KEY_BYTES=fmt.key_bytes(D), CODE_BLOCK=32,
-                        COMPUTE_DTYPE=tl.float32, TINY=1.1754943508222875e-38, IS_FP64=False),
+                        NORM_CORRECTION=fmt.norm_correction, COMPUTE_DTYPE=tl.float32, TINY=1.1754943508222875e-38,
+                        IS_FP64=False),
                    dict(k_ptr="*bf16", v_ptr="*bf16", kv_cache_ptr="*u8", slot_mapping_ptr="*i64",
-                        hadamard_ptr="*fp32", boundaries_ptr="*fp32"))
+                        hadamard_ptr="*fp32", boundaries_ptr="*fp32", centroids_ptr="*fp64"))
 merge = importlib.import_module("truespec.kernels.split_merge")
 for cap in (16, 128):  # the merge kernel at the smallest and largest split caps the engine may use
     grid, tile = merge.merge_grid_and_tile(1, 8, D, cap, attention.MERGE_SPLITS, attention.MERGE_DIM)

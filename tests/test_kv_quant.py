@@ -11,7 +11,7 @@ import torch
 
 from truespec.kv_cache.formats import FORMATS, KV_CACHE_DTYPES, bytes_per_token, compressed_layers, kv_format
 from truespec.ops import kv_quant as kq
-from truespec.ops.lloyd_max import _lloyd, codebook_codes, expected_mse, lloyd_max_codebook
+from truespec.ops.lloyd_max import codebook_codes, expected_mse, lloyd_centroids, lloyd_max_codebook
 
 PRESETS = ("turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc")
 # rms of (score^ - q.k) / (||q|| ||k||) at head_dim 128; measured 0.0023 / 0.0084 / 0.0161 / 0.0161
@@ -32,7 +32,7 @@ def stored_keys(name: str, k: torch.Tensor, norm_correction: bool | None = None)
     if fmt.key_encoding == "fp8":
         return kq.fp8_load(kq.fp8_store(k), dtype=k.dtype)
     nc = fmt.norm_correction if norm_correction is None else norm_correction
-    return kq.dequantize_keys(kq.quantize_keys(k, fmt.key_bits, nc), k.dtype)
+    return kq.dequantize_keys(kq.quantize_keys(k, fmt.key_bits, norm_correction=nc), k.dtype)
 
 
 def bit_stream_reference(codes: list[int], bits: int) -> list[int]:
@@ -84,7 +84,7 @@ def test_lloyd_max_codebook_tends_to_the_gaussian_one() -> None:
     gaussian_centroids = {3: [0.2451, 0.7560, 1.3440, 2.1520],
                           4: [0.1284, 0.3881, 0.6568, 0.9424, 1.2562, 1.6180, 2.0690, 2.7326]}
     for bits, expected in gaussian_centroids.items():
-        exact = _lloyd(256, bits)  # float64, before the codebook's rounding to bf16
+        exact = lloyd_centroids(256, bits)  # float64, before the codebook's rounding to bf16
         scaled = exact[1 << (bits - 1):] * 16
         torch.testing.assert_close(scaled, torch.tensor(expected, dtype=torch.float64), rtol=0.01, atol=0)
         assert torch.equal(lloyd_max_codebook(256, bits)[0], exact.to(torch.bfloat16).float())
@@ -120,7 +120,8 @@ def test_centroids_are_exact_16_bit_operands_and_their_norms_sum_exactly(bits: i
         assert 16 + int(high_exponent - low_exponent) < 53, head_dim  # the bits any partial sum can need
     gen = torch.Generator().manual_seed(13)
     c = lloyd_max_codebook(256, bits)[0][torch.randint(0, 1 << bits, (64, 256), generator=gen)]
-    orders = [kq.centroid_norms(c), kq.centroid_norms(c.flip(-1)), kq.centroid_norms(c[:, torch.randperm(256)])]
+    shuffled = c[:, torch.randperm(256, generator=gen)]
+    orders = [kq.centroid_norms(c), kq.centroid_norms(c.flip(-1)), kq.centroid_norms(shuffled)]
     exact = torch.tensor([math.fsum(float(x) ** 2 for x in row) for row in c.double()], dtype=torch.float64).sqrt()
     assert all(torch.equal(exact, order) for order in orders)
 
@@ -134,7 +135,8 @@ def test_key_round_trip_mse_on_unit_vectors_within_the_paper_bound(head_dim: int
     u = u / u.norm(dim=-1, keepdim=True)
     paper_bound = math.sqrt(3) * math.pi / 2 * 4.0**-bits
     for nc in (False, True):
-        mse = ((kq.dequantize_keys(kq.quantize_keys(u, bits, nc), torch.float64) - u) ** 2).sum(-1).mean().item()
+        u_hat = kq.dequantize_keys(kq.quantize_keys(u, bits, norm_correction=nc), torch.float64)
+        mse = ((u_hat - u) ** 2).sum(-1).mean().item()
         assert mse <= min(paper_bound, 1.04 * expected_mse(head_dim, bits))
 
 
@@ -175,7 +177,7 @@ def test_norm_correction_is_no_worse_on_average(bits: int) -> None:
 @pytest.mark.parametrize("bits", [3, 4])
 def test_key_scores_need_no_inverse_rotation(dtype: torch.dtype, bits: int) -> None:
     q, k = gaussian(3, 4, 128, seed=7, dtype=dtype), gaussian(37, 2, 128, seed=8, dtype=dtype)  # GQA: 2 q heads / kv
-    keys = kq.quantize_keys(k, bits)
+    keys = kq.quantize_keys(k, bits, norm_correction=True)
     scores = kq.key_scores(kq.rotate(q), keys)  # [4, 3, 37]
     k_hat = kq.dequantize_keys(keys, dtype).repeat_interleave(2, dim=1)  # [37, 4, 128]
     expected = torch.einsum("lhd,shd->hls", q, k_hat)
@@ -212,7 +214,7 @@ def test_fp8_saturates_and_round_trips() -> None:
 
 def test_float64_keys_code_like_float32_except_at_boundaries() -> None:
     k = gaussian(512, 2, 128, seed=11)
-    wide, narrow = kq.quantize_keys(k, 4), kq.quantize_keys(k.float(), 4)
+    wide, narrow = (kq.quantize_keys(x, 4, norm_correction=True) for x in (k, k.float()))
     codes = [kq.unpack_codes(x.codes, 4, 128).int() for x in (wide, narrow)]
     assert (codes[0] != codes[1]).float().mean().item() < 1e-3
     assert (codes[0] - codes[1]).abs().max().item() <= 1
@@ -221,7 +223,7 @@ def test_float64_keys_code_like_float32_except_at_boundaries() -> None:
 
 def test_zero_key_and_constant_value_read_back_exactly() -> None:
     zeros = torch.zeros(1, 1, 128, dtype=torch.float64)
-    assert torch.equal(kq.dequantize_keys(kq.quantize_keys(zeros, 3), torch.float64), zeros)
+    assert torch.equal(kq.dequantize_keys(kq.quantize_keys(zeros, 3, norm_correction=True), torch.float64), zeros)
     constant = torch.full((1, 1, 128), -1.5, dtype=torch.float64)
     assert torch.equal(kq.dequantize_values(kq.quantize_values(constant, 4), torch.float64), constant)
 
@@ -246,7 +248,7 @@ def test_bytes_per_token_count_what_the_quantisers_store(name: str) -> None:
     if fmt.key_encoding == "fp8":
         key_bytes = nbytes(kq.fp8_store(k))
     else:
-        keys = kq.quantize_keys(k, fmt.key_bits)
+        keys = kq.quantize_keys(k, fmt.key_bits, norm_correction=True)
         key_bytes = nbytes(keys.codes, keys.scales)
     values = kq.quantize_values(k, fmt.value_bits)
     assert key_bytes + nbytes(values.codes, values.scales, values.zeros) == fmt.bytes_per_token(256)

@@ -10,6 +10,7 @@ an fp16 scale by one ulp (kernels/kv_store_packed.py); ``compare_slots`` accepts
 interpreter tests assert there are none. Without CUDA the kernel runs in Triton's interpreter: small shapes.
 """
 
+import dataclasses
 import os
 
 import pytest
@@ -113,6 +114,20 @@ def test_store_equals_reference_encode(name: str, dtype: torch.dtype) -> None:
         assert torch.equal(ours, ref)
 
 
+def test_store_without_norm_correction_stores_the_norm() -> None:
+    """A Lloyd-Max format without norm correction (no preset is one: the store kernel's other branch): every byte
+    equals the reference's, whose key scale is fp16(||k||)."""
+    fmt = dataclasses.replace(FORMATS["turboquant_4bit_nc"], norm_correction=False)
+    k, v = random_rows(14, 2, 32, torch.float32, seed=4)
+    slot_mapping = padded_slots(12, 6 * 4, seed=4)
+    ours, ref = store_both(fmt, k, v, slot_mapping, num_blocks=6, block_size=4)
+    assert torch.equal(ours, ref)
+    rows = torch.nonzero(slot_mapping >= 0).flatten()
+    slots = ours.view(-1, 2, fmt.bytes_per_token(32))[slot_mapping[rows]]
+    scales = slots[..., 16:18].contiguous().view(torch.float16).squeeze(-1)  # after 16 code bytes
+    assert torch.equal(scales, k[rows].norm(dim=-1).half())
+
+
 @pytest.mark.parametrize("name", ["turboquant_4bit_nc", "turboquant_3bit_nc"])
 def test_store_codes_equal_on_more_seeds(name: str) -> None:
     """64-dim keys (two chunks of 32 codes), 5 more seeds: 0 differing codes."""
@@ -172,8 +187,8 @@ def test_gpu_store_equals_reference_encode(name: str, dtype: torch.dtype) -> Non
     k, v = random_rows(4096 + 7, 2, 256, dtype, seed=5)
     slot_mapping = padded_slots(4096, 300 * 16, seed=5)
     ours, ref = store_both(fmt, k, v, slot_mapping, num_blocks=300, block_size=16)
-    num_codes, num_norms = compare_slots(fmt, ours, ref, k, slot_mapping)
-    assert num_codes <= 8 and num_norms <= 8
+    num_codes, num_scales = compare_slots(fmt, ours, ref, k, slot_mapping)
+    assert num_codes <= 8 and num_scales <= 8
 
 
 @gpu

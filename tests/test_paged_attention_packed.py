@@ -4,7 +4,7 @@ batch with padding rows, GQA, and a row bitwise the same alone and inside a batc
 also scored a chunk of head dims at a time (``key_dim_chunk``).
 
 K/V are encoded with ``KVFormat.encode`` and scattered into a random block layout; slots no request owns hold
-0xFF bytes (NaN as fp8 and as fp16 norm / scale), so a kernel that reads them shows. Without CUDA the kernel runs
+0xFF bytes (NaN as fp8 and as an fp16 scale), so a kernel that reads them shows. Without CUDA the kernel runs
 in Triton's interpreter (tests/helpers/kernels.py), so shapes are tiny; ``@pytest.mark.gpu`` reruns compiled.
 """
 
@@ -100,8 +100,8 @@ LLOYD_MAX_PRESETS = [name for name in PACKED if FORMATS[name].is_rotated]
                           (128, 64, True, torch.bfloat16), (128, 32, False, torch.float32)])  # fmt: skip
 def test_lloyd_max_key_dim_chunks_match_reference(name: str, head_dim: int, key_dim_chunk: int, unroll: bool,
                                                   dtype: torch.dtype) -> None:  # fmt: skip
-    """Keys scored a chunk of head dims at a time, the chunk loop unrolled or not (bf16: the split q / centroid
-    halves; fp32: IEEE products) on a ragged batch with padding rows."""
+    """Keys scored a chunk of head dims at a time, the chunk loop unrolled or not (bf16: the split q by 16-bit
+    centroids; fp32: IEEE products) on a ragged batch with padding rows."""
     fmt = FORMATS[name]
     args = packed_batch(fmt, REQS, 4, 2, head_dim, 8, dtype, seed=6)
     with poisoned_empty():
@@ -160,7 +160,7 @@ def test_gpu_packed_attention_matches_reference(name: str, dtype: torch.dtype) -
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("name", ["turboquant_k8v4", "turboquant_k3v4_nc"])
+@pytest.mark.parametrize("name", ["turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc"])
 def test_gpu_packed_row_is_bitwise_same_alone_and_in_batch(name: str) -> None:
     check_row_same_alone_and_in_batch(name, 8, 2, 256, 16, context=800, k=5)
 

@@ -191,6 +191,7 @@ def test_gpu_threshold_zero_is_bitwise_off_and_positive_matches_reference(name: 
 @gpu
 @needs_cuda
 @pytest.mark.parametrize(("name", "dtype"), [(None, torch.bfloat16), ("turboquant_k8v4", torch.bfloat16),
+                                             ("turboquant_4bit_nc", torch.bfloat16),  # its own warps (8)
                                              ("turboquant_k3v4_nc", torch.float32)])  # fmt: skip
 def test_gpu_skipping_row_is_bitwise_same_alone_in_verify_and_in_mixed_batch(name: str | None, dtype: torch.dtype
                                                                               ) -> None:  # fmt: skip

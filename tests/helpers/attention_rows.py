@@ -55,7 +55,7 @@ def packed_batch(fmt: KVFormat, reqs: list[tuple[int, int]], num_heads: int, num
                  block_size: int, dtype: torch.dtype, seed: int, peak: float = 0.0) -> tuple:  # fmt: skip
     """paged_attention_packed's positional arguments (up to scale) for ``reqs`` (num_cached, query_len) over a
     randomly laid out cache of K/V encoded by ``fmt``; slots no request owns hold 0xFF bytes (NaN as fp8 and as
-    fp16 norm / scale), so a kernel that reads them shows. ``peak``: see ``peak_attention``."""
+    fp16 scale), so a kernel that reads them shows. ``peak``: see ``peak_attention``."""
     gen = torch.Generator().manual_seed(seed)
     num_blocks = sum(triton.cdiv(c + n, block_size) for c, n in reqs) + 3
     batch = paged_batch(reqs, block_size=block_size, num_blocks=num_blocks, gen=gen)

@@ -23,9 +23,9 @@ torch's kernels (compiled, with fused multiply-adds; and torch's CPU fp32 sqrt i
 of 65536 random inputs were 1 ulp low), so the fp32 norm and rotated coordinates may differ in their last bits. A
 key code then differs only where a rotated coordinate lies within a few fp32 ulps of a decision boundary, and an
 fp16 scale by one ulp where the fp32 norm sits near an fp16 rounding midpoint (or as the scale of the key's own codes,
-where one of them differs: ||c|| follows the codes). Measured on CPU with float64-exact
-norms and rotations against torch's fp32 encode (4M to 8M codes at D 128 / 256, 3 and 4 bits): 1 to 4 codes and
-0 to 1 norm in 32768 differed; none at the tests' CPU sizes.
+where one of them differs: ||c|| follows the codes). Measured (session 12, when the field held the norm) on CPU
+with float64-exact norms and rotations against torch's fp32 encode (4M to 8M codes at D 128 / 256, 3 and 4 bits):
+1 to 4 codes and 0 to 1 norm in 32768 differed; none at the tests' CPU sizes.
 tests/test_kv_store_packed.py asserts exactly that: every byte equal, except such codes (|code step| = 1, the
 float64 coordinate within 1e-6 of the boundary) and such scales, and none of either on the interpreter's inputs.
 """

@@ -133,10 +133,19 @@ def tile_scores(q, q_lo, q_rows, q_row_mask, head_ptr, slot_off, d, n_mask, kv_m
     else:  # Lloyd-Max keys, the whole head at once
         slot_ptr = head_ptr + slot_off  # [BLOCK_N]
         codes = tile_codes(slot_ptr, n_mask, d, kv_mask, KEY_BITS, KEY_CODE_BYTES, HEAD_DIM)
+        # masked keys and padded dims read code 0 (a nonzero centroid): their score is replaced by -inf (the
+        # caller's key mask), and q is 0 on padded dims
         c = centroid_values(codes, centroids_ptr, KEY_BITS)  # [BLOCK_N, HEAD_DIM_PAD]
         s = lloyd_max_products(q, q_lo, c, None, ACC_DTYPE, DOT_DTYPE, UPCAST)
-        s = s * load_fp16(slot_ptr + KEY_CODE_BYTES, n_mask, FP16_ALIGNED).to(ACC_DTYPE)[None, :]
+        s = s * key_scales(head_ptr + slot_off, n_mask, KEY_CODE_BYTES, FP16_ALIGNED, ACC_DTYPE)[None, :]
     return s
+
+
+@triton.jit
+def key_scales(slot_ptr, n_mask, KEY_CODE_BYTES: tl.constexpr, FP16_ALIGNED: tl.constexpr, ACC_DTYPE: tl.constexpr):
+    """The stored scale [BLOCK_N] of Lloyd-Max keys (||k|| / ||c||: the fp16 after each slot's KEY_CODE_BYTES code
+    bytes) in the accumulator dtype; masked keys: 0."""
+    return load_fp16(slot_ptr + KEY_CODE_BYTES, n_mask, FP16_ALIGNED).to(ACC_DTYPE)
 
 
 @triton.jit
@@ -165,10 +174,10 @@ def select8(codes, table_ptr):
 
 @triton.jit
 def lloyd_max_products(q, q_lo, c, acc, ACC_DTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr, UPCAST: tl.constexpr):
-    """``acc`` (None: 0) + (q + q_lo) @ c^T for centroids c [BLOCK_N, dims] in the accumulator dtype. On the tensor
-    cores c is an exact 16-bit operand (the codebook's values are bf16 numbers, ops/lloyd_max.py) and the fp32 rotated
-    q its two 16-bit halves (``split_hi_lo``): two MMAs; without tensor cores one product in the accumulator
-    dtype."""
+    """``acc`` (None: 0) + q_rot @ c^T for centroids c [BLOCK_N, dims] in the accumulator dtype. On the tensor cores
+    c is an exact 16-bit operand (the codebook's values are bf16 numbers, ops/lloyd_max.py) and q_rot its two 16-bit
+    halves q + q_lo (``split_hi_lo``): two MMAs; without tensor cores q is q_rot (q_lo unused) and one product in the
+    accumulator dtype."""
     if DOT_DTYPE == ACC_DTYPE:
         return mma(q, tl.trans(c), False, acc)
     c16 = tl.trans(c.to(DOT_DTYPE))
@@ -193,7 +202,7 @@ def chunked_lloyd_max_scores(q_rows, q_row_mask, slot_ptr, n_mask, centroids_ptr
         for dim_start in range(0, HEAD_DIM, KEY_DIM_CHUNK):
             s = lloyd_max_chunk(s, dim_start, q_rows, q_row_mask, slot_ptr, n_mask, centroids_ptr, KEY_BITS,
                                 KEY_CODE_BYTES, KEY_DIM_CHUNK, HEAD_DIM, ACC_DTYPE, DOT_DTYPE, UPCAST)  # fmt: skip
-    return s * load_fp16(slot_ptr + KEY_CODE_BYTES, n_mask, FP16_ALIGNED).to(ACC_DTYPE)[None, :]
+    return s * key_scales(slot_ptr, n_mask, KEY_CODE_BYTES, FP16_ALIGNED, ACC_DTYPE)[None, :]
 
 
 @triton.jit
@@ -243,5 +252,6 @@ def tile_pv(p, value_ptr, slot_off, d, n_mask, kv_mask, VALUE_ENC: tl.constexpr,
 @triton.jit
 def code_floats(codes):
     """int32 codes (0 <= code < 2^23) as the fp32 numbers they are, exactly: the code's bits placed in the mantissa
-    of 2^23 (an or and a subtraction, cheaper than a conversion instruction); 16-bit from there is exact too."""
+    of 2^23 (an or and a subtraction, cheaper than a conversion instruction). Codes below 2^8 (every packed code)
+    are exact in bf16 and fp16 too."""
     return (codes | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0

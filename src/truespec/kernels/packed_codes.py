@@ -1,13 +1,13 @@
 """How the attention kernels read the fields of a packed cache slot (kv_cache/formats.py: the key part then the value
-part, multi-byte fields little-endian): bit-packed codes, fp16 norms / scales / zeros and fp8 bytes. kernels/kv_tiles.py
-turns them into scores and values.
+part, multi-byte fields little-endian): bit-packed codes, fp16 key scales / value scales / zeros and fp8 bytes.
+kernels/kv_tiles.py turns them into scores and values.
 
 Unpacking loads each code byte of a tile once, from contiguous addresses, and expands the codes in registers:
 4-bit codes as [BLOCK_N, HEAD_DIM_PAD / 2] bytes split into nibbles, 3-bit codes as three byte planes
 [BLOCK_N, HEAD_DIM_PAD / 8] forming 24-bit words of 8 codes, both interleaved back to [BLOCK_N, HEAD_DIM_PAD] with
 ``tl.join`` + ``tl.reshape`` (head dims whose codes do not fill whole bytes / words take a per-code path); a tile
 may also be read a chunk of head dims at a time (``dim_start``: kv_tiles.py ``chunked_lloyd_max_scores``). An fp16
-norm / scale / zero is one 16-bit load where the host proved every such address even (``FP16_ALIGNED``,
+scale / zero is one 16-bit load where the host proved every such address even (``FP16_ALIGNED``,
 paged_attention_packed.py ``is_fp16_aligned``: each preset's contiguous cache at power-of-two head dims >= 16), else
 two byte loads. Only how bytes are loaded differs between these paths: the decoded values are the same bits
 (tests/test_kv_tiles_unpack.py).

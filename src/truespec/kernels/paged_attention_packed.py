@@ -27,7 +27,8 @@ written by kernels/kv_store_packed.py (``store_packed``).
 fp64 q runs under Triton's interpreter only: compiled, Triton 3.6 cannot lower an fp64 ``tl.dot`` whose operand
 is decoded in registers ("fp64 don't support largeK MMA"), so the wrapper refuses fp64 on CUDA.
 
-Launch knobs: ``block_n`` and ``num_warps`` reach the kernel as for the model-dtype cache; ``key_dim_chunk`` (Lloyd-Max
+Launch knobs: ``block_n`` and ``num_warps`` reach the kernel as for the model-dtype cache (``num_warps`` None, the
+default: the format's own, ``format_num_warps``); ``key_dim_chunk`` (Lloyd-Max
 keys only) decodes and scores a key tile that many head dims at a time instead of the whole head, in an unrolled or
 (``key_dim_unroll=False``) a runtime loop over the chunks (kernels/kv_tiles.py), to bound the registers of a tile of
 centroids at head_dim 256 (issue 14). Each fixes a row's arithmetic, so a model keeps one value for all its calls;
@@ -69,10 +70,7 @@ from truespec.ops.precision import compute_dtype
 FP8, LLOYD_MAX, UNIFORM = "fp8", "lloyd_max", "uniform"
 KEY_ENCODINGS = {FP8: kv_tiles.FP8, LLOYD_MAX: kv_tiles.LLOYD_MAX}
 VALUE_ENCODINGS = {FP8: kv_tiles.FP8, UNIFORM: kv_tiles.UNIFORM}
-# 4-bit Lloyd-Max key tiles need ~250 registers a thread at 4 warps: at 8 warps the kernel ran 1.6x faster with the
-# same output bits (H200, 32K keys, benchmarks/packed_attention_tune.py; BENCHMARKS.md session 13); 3-bit keys and
-# the other formats were fastest (or within noise) at the engine's 4
-LLOYD_MAX_4BIT_WARPS = 8
+LLOYD_MAX_4BIT_WARPS = 8  # format_num_warps
 
 
 class KVFormat(Protocol):
@@ -121,10 +119,18 @@ def _dummy_table(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
 
 def is_fp16_aligned(kv_cache: torch.Tensor, fp16_fields: list[int]) -> bool:
     """Whether the slots of the uint8 ``kv_cache`` [num_blocks, block_size, num_kv_heads, bytes] hold fp16 fields
-    (norm, scale; a zero follows its scale), ``fp16_fields`` bytes into a slot, and every one of them sits at an even
-    address: then the kernels read each with one 16-bit load (kv_tiles.py ``load_fp16``). A property of the cache's
-    layout, not of the batch: fixed for a model's calls."""
+    (a key's scale, a value's scale; a zero follows a value's scale), ``fp16_fields`` bytes into a slot, and every
+    one of them sits at an even address: then the kernels read each with one 16-bit load (kv_tiles.py
+    ``load_fp16``). A property of the cache's layout, not of the batch: fixed for a model's calls."""
     return bool(fp16_fields) and all(x % 2 == 0 for x in (kv_cache.data_ptr(), *kv_cache.stride()[:3], *fp16_fields))
+
+
+def format_num_warps(fmt: KVFormat) -> int:
+    """The split kernel's warps for a cache of ``fmt``, one constant per format (it fixes a row's bits): 8 for 4-bit
+    Lloyd-Max keys, whose tiles need ~250 registers a thread at 4 warps (at 8 the kernel ran 1.6x faster with the
+    same output bits at one query row over 32K keys, H200, benchmarks/packed_attention_tune.py; BENCHMARKS.md
+    session 13; not yet compared at 4+ rows); the engine's 4 for the others (3-bit keys: 8 warps 0.93x)."""
+    return LLOYD_MAX_4BIT_WARPS if fmt.is_rotated and fmt.key_bits == 4 else NUM_WARPS
 
 
 def check_packed_cache(kv_cache: torch.Tensor, fmt: KVFormat, head_dim: int) -> None:
@@ -230,7 +236,7 @@ def packed_cache_tiles(q: torch.Tensor, kv_cache: torch.Tensor, fmt: KVFormat, h
                     KEY_DIM_CHUNK=key_dim_chunk, KEY_DIM_UNROLL=key_dim_unroll or key_dim_chunk == pad_pow2(head_dim),
                     VALUE_ENC=VALUE_ENCODINGS[fmt.value_encoding], VALUE_BITS=value_bits,
                     VALUE_CODE_BYTES=value_code_bytes, FP16_ALIGNED=is_fp16_aligned(kv_cache, fp16_fields))  # fmt: skip
-    num_warps = LLOYD_MAX_4BIT_WARPS if fmt.is_rotated and key_bits == 4 else NUM_WARPS
     tiles = CacheTiles(kv_cache, block_size, num_kv_heads, (kv_cache.stride(0), kv_cache.stride(1),
-                       kv_cache.stride(2)), fmt.key_bytes(head_dim), centroids, encoding, num_warps)  # fmt: skip
+                       kv_cache.stride(2)), fmt.key_bytes(head_dim), centroids, encoding,
+                       format_num_warps(fmt))  # fmt: skip
     return q_in, tiles

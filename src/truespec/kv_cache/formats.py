@@ -152,7 +152,7 @@ def _encode(encoding: str, bits: int | None, x: torch.Tensor, is_key: bool, norm
     if encoding == FP8:
         return fp8_store(x).view(torch.uint8)
     if encoding == LLOYD_MAX:
-        keys = quantize_keys(x, bits, norm_correction)
+        keys = quantize_keys(x, bits, norm_correction=norm_correction)
         return torch.cat([keys.codes, _fp16_bytes(keys.scales)], dim=-1)
     values = quantize_values(x, bits)
     return torch.cat([values.codes, _fp16_bytes(values.scales), _fp16_bytes(values.zeros)], dim=-1)

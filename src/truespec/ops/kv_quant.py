@@ -3,8 +3,8 @@
 The reference the Triton store / attention kernels must match (kv_cache/formats.py names the presets and their
 byte layouts). Shapes: keys and values are ``[T, H, D]`` (tokens, KV heads, head_dim); every per-vector quantity
 is ``[T, H]``. Inputs in float16 / bfloat16 / float32 are computed in float32, float64 inputs in float64
-(ops/precision.py); the stored bytes are the same types either way (uint8 codes, fp16 norms / scales / zeros,
-fp8 e4m3), so only a coordinate within rounding of a decision boundary can code differently.
+(ops/precision.py); the stored bytes are the same types either way (uint8 codes, fp16 key scales, fp16 value
+scales / zeros, fp8 e4m3), so only a coordinate within rounding of a decision boundary can code differently.
 
 - FP8 (``fp8``, the keys of ``turboquant_k8v4``): ``x / scale`` saturated to +-448, cast round-to-nearest-even to
   float8_e4m3fn; read ``fp8 * scale``. The scale is per tensor (one k_scale, one v_scale per layer) and, as in
@@ -13,9 +13,9 @@ fp8 e4m3), so only a coordinate within rounding of a decision boundary can code 
   coordinate coded by its Lloyd-Max codebook (ops/lloyd_max.py); codes bit-packed; then the key's fp16 scale. With
   norm correction ("nc") the centroid vector c stands for a unit vector, k^ = ||k|| H c / ||c||, and the scale is
   ||k|| / ||c||, computed when the key is stored (||c||^2 summed in float64, where every partial sum of the
-  bf16-exact squares is exact, so any summation order gives the same bits); without nc it is ||k||. A read is then
-  k^ = scale * H c. H is symmetric and orthonormal (its own inverse), so a query is rotated once and scored against
-  c directly.
+  squares of the bf16-exact centroids is exact, so any summation order gives the same bits); without nc it is
+  ||k||. A read is then k^ = scale * H c. H is symmetric and orthonormal (its own inverse), so a query is rotated
+  once and scored against c directly.
 - Values (never rotated): per token and head, asymmetric uniform codes over [min, max] with fp16 scale and zero.
 
 Packing: code j of a vector occupies bits [j * bits, (j + 1) * bits) of a little-endian bit stream whose bit i is
@@ -113,7 +113,7 @@ def fp8_load(x: torch.Tensor, scale: float = DEFAULT_KV_SCALE, dtype: torch.dtyp
     return x.to(dtype) * scale
 
 
-def quantize_keys(k: torch.Tensor, bits: int, norm_correction: bool = True) -> QuantizedKeys:
+def quantize_keys(k: torch.Tensor, bits: int, *, norm_correction: bool) -> QuantizedKeys:
     """Keys [T, H, D] -> TurboQuant MSE codes: Lloyd-Max codes of the Hadamard-rotated unit key and the fp16 scale.
 
     The norm is sqrt(sum k^2) in the compute dtype; a zero key stores scale 0 (and reads back as 0). With

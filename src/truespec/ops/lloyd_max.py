@@ -55,8 +55,9 @@ def _interp(x: torch.Tensor, table: torch.Tensor, at: torch.Tensor) -> torch.Ten
     return table[hi - 1] + t * (table[hi] - table[hi - 1])
 
 
-def _lloyd(head_dim: int, bits: int) -> torch.Tensor:
-    """Float64 Lloyd-Max centroids [2^bits], sorted and exactly symmetric about 0."""
+def lloyd_centroids(head_dim: int, bits: int) -> torch.Tensor:
+    """Float64 Lloyd-Max centroids [2^bits], sorted and exactly symmetric about 0 (``lloyd_max_codebook`` rounds
+    them to bf16 numbers)."""
     x, mass, moment = _tables(head_dim)
     levels = 1 << bits
     # start at the quantiles of the cell midpoints: already close to the optimum
@@ -88,7 +89,7 @@ def lloyd_max_codebook(head_dim: int, bits: int) -> tuple[torch.Tensor, torch.Te
         raise ValueError(f"bits must be in 1..8, got {bits}")
     if head_dim < 4:
         raise ValueError(f"head_dim must be >= 4 for a Lloyd-Max key codebook, got {head_dim}")
-    centroids = _lloyd(head_dim, bits).to(torch.bfloat16).to(torch.float32)  # exact in bf16, fp16 and fp32
+    centroids = lloyd_centroids(head_dim, bits).to(torch.bfloat16).to(torch.float32)  # exact in bf16, fp16 and fp32
     boundaries = (centroids[1:] + centroids[:-1]) / 2  # float32 arithmetic, as a kernel would do it
     return centroids, boundaries
 
