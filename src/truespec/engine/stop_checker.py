@@ -30,6 +30,15 @@ class StopChecker:
             return self._finish(seq, "length", None)
         return None
 
+    def can_stop(self, seq: Sequence, tokens: list[int]) -> bool:
+        """Whether ``check`` could stop ``seq`` at any of ``tokens`` appended one by one (False: it certainly stops at
+        none, so they may go in at once). Ignores min_tokens, which only ever delays a stop."""
+        p = seq.params
+        if p.stop or len(seq.output_token_ids) + len(tokens) >= seq.max_output_len:
+            return True
+        eos_token_ids = () if p.ignore_eos else self.eos_token_ids
+        return any(token in eos_token_ids or token in p.stop_token_ids for token in tokens)
+
     def _match_stop_string(self, seq: Sequence) -> bool:
         """The earliest stop string that ends past the text of the first ``min_tokens`` tokens (vLLM ignores a
         stop string inside that text); cut the output text there."""
