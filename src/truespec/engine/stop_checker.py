@@ -36,8 +36,9 @@ class StopChecker:
         p = seq.params
         if p.stop or len(seq.output_token_ids) + len(tokens) >= seq.max_output_len:
             return True
-        eos_token_ids = () if p.ignore_eos else self.eos_token_ids
-        return any(token in eos_token_ids or token in p.stop_token_ids for token in tokens)
+        if not p.ignore_eos and not self.eos_token_ids.isdisjoint(tokens):
+            return True
+        return bool(p.stop_token_ids) and not set(p.stop_token_ids).isdisjoint(tokens)
 
     def _match_stop_string(self, seq: Sequence) -> bool:
         """The earliest stop string that ends past the text of the first ``min_tokens`` tokens (vLLM ignores a

@@ -17,7 +17,7 @@ from truespec.layers.backend import kernels, use_kernels
 from truespec.ops.spec_step import move_positions_ref
 
 
-@dataclass
+@dataclass(slots=True)
 class ContextRow:
     block_ids: list[int]  # the request's KV blocks (attention layers)
     start: int  # position of the first query token (= tokens already cached)
