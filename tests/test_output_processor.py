@@ -1,14 +1,19 @@
 """The output processor: streamed outputs (DELTA, CUMULATIVE) add up to what LLM.generate returns, text deltas
 never split a character, a stop string never leaks out of a delta, and each request carries its timestamps."""
 
+import random
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from transformers import AutoTokenizer
 
 from helpers.engine import random_prompts
 from truespec import LLM, RequestOutputKind, SamplingParams
+from truespec.core.sequence import Sequence
 from truespec.engine.detokenizer import INCOMPLETE, IncrementalDetokenizer
+from truespec.engine.output_processor import OutputProcessor
+from truespec.engine.stop_checker import StopChecker
 
 
 def stream(llm: LLM, prompts: list[dict], params: SamplingParams) -> dict[str, list]:
@@ -66,3 +71,29 @@ def test_incremental_detokenizer_waits_for_a_whole_character(tiny_models: dict[s
     assert "".join(deltas) == tokenizer.decode(ids) == text
     assert all(INCOMPLETE not in d for d in deltas) and "" in deltas  # it waited while a character was partial
     assert detok.finish(text) == ""
+
+
+def test_a_steps_tokens_stop_where_one_by_one_checks_would(tmp_path: Path) -> None:
+    """``process`` appends a step's tokens at once when ``StopChecker.can_stop`` says none can stop the request: the
+    tokens, times and finish reason are those of appending and checking them one by one (EOS, stop tokens,
+    ignore_eos, min_tokens, max tokens), on random cases."""
+    rng = random.Random(0)
+    checker = StopChecker(None, SimpleNamespace(eos_token_id=[2, 3]), str(tmp_path))
+    processor = OutputProcessor(None, checker)
+    for _ in range(3000):
+        params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=rng.random() < 0.3,
+                                min_tokens=rng.choice([0, 0, 3, 9]), stop_token_ids=rng.choice([[], [5], [4, 7]]))
+        output = [rng.randrange(2, 12) for _ in range(rng.randrange(0, 8))]
+        tokens = [rng.randrange(2, 40) for _ in range(rng.randrange(1, 10))]
+        fast, slow = (Sequence("r", None, [1, 2, 3], params, rng.randrange(len(output) + 1, 20)) for _ in range(2))
+        slow.max_output_len = fast.max_output_len
+        for seq in (fast, slow):
+            seq.output_token_ids, seq.token_times = list(output), [0.0] * len(output)
+        reason = None
+        for token in tokens:  # the reference: one token, one check
+            slow.output_token_ids.append(token)
+            slow.token_times.append(1.0)
+            if (reason := checker.check(slow)) is not None:
+                break
+        assert processor.process(fast, tokens, None, 1.0) == reason
+        assert (fast.output_token_ids, fast.token_times) == (slow.output_token_ids, slow.token_times)

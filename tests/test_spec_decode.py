@@ -2,6 +2,7 @@
 without speculation (invariants 1, 2, 4), including mixed steps where some requests verify drafts,
 some have none and some are still prefilling, and under preemption."""
 
+import random
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,7 @@ import torch
 from helpers.engine import BATCH_LENGTHS, OracleProposer, generate, random_prompts, set_eos_token_ids, spec_llm
 from truespec import LLM, SamplingParams
 from truespec.spec_decode.interface import DraftRequest, Drafts
+from truespec.spec_decode.metrics import SpecDecodeMetrics
 from truespec.worker.runner_output import ModelRunnerOutput
 
 MAX_TOKENS = 24
@@ -140,3 +142,21 @@ def test_sixty_four_drafts_like_fast_apply(tiny_models: dict[str, Path], referen
                                                                                              strict=True)}, 64, 300)
     assert generate(llm, prompts, greedy()) == ref
     assert max(i for i, n in enumerate(llm.get_metrics()["num_accepted_tokens_per_pos"]) if n) >= 16
+
+
+def test_per_position_counts_are_those_of_each_verify() -> None:
+    """SpecDecodeMetrics keeps how many verifies had each draft / accepted count; its per-position counts are what
+    counting every verify's positions one by one gives."""
+    rng, metrics = random.Random(0), SpecDecodeMetrics(5)
+    drafted, accepted = [0] * 5, [0] * 5
+    for _ in range(500):
+        num_drafts = rng.randrange(0, 6)
+        num_accepted = rng.randrange(0, num_drafts + 1)
+        metrics.observe(num_drafts, num_accepted)
+        for pos in range(num_drafts):
+            drafted[pos] += 1
+        for pos in range(num_accepted):
+            accepted[pos] += 1
+    m = metrics.as_dict()
+    assert (m["num_draft_tokens_per_pos"], m["num_accepted_tokens_per_pos"]) == (drafted, accepted)
+    assert m["num_draft_tokens"] == sum(drafted) and m["num_accepted_tokens"] == sum(accepted)

@@ -83,6 +83,8 @@ class PrefixPlanner:
         finished in that step, so a model drafter never caught up on the step's positions: they are not cached."""
         kv, request_id, bs = self.kv, seq.request_id, self.kv.block_size
         step = self._steps.pop(request_id, None)
+        if (step is None or step[0] >= seq.prompt_len) and kv.num_cached_blocks_of(request_id) >= seq.prompt_len // bs:
+            return  # a step past the prompt (no checkpoint there), every prompt block cached: the common decode
         computed = seq.num_computed_tokens
         if is_finished and kv.prefix.has_drafter_cache:
             computed = step[0] if step is not None else 0

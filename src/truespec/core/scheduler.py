@@ -125,6 +125,9 @@ class Scheduler:
         the same drafts alone or in any batch, and its seeded random draws stay batch invariant. On a hybrid model
         with prefix caching a chunk ends at the next state checkpoint position at the latest. A long request under
         a ``GdnPrefillRule`` cuts its chunk by the rule (module docstring); a cut chunk's drafts wait."""
+        if seq.num_tokens - seq.num_computed_tokens == 1:  # a decode / verify (the fast path of every step)
+            drafts = seq.draft_token_ids[:self.max_drafts(seq)] if seq.draft_token_ids else []
+            return (1, drafts) if 1 + len(drafts) <= budget else None  # no chunk limit, no GDN rule cut applies
         is_long = self.gdn_rule is not None and self.gdn_rule.is_long(seq.prompt_len)
         plan = self._plan_tokens(seq, budget, is_long)
         if plan is None or not is_long:
@@ -171,14 +174,15 @@ class Scheduler:
 
     def _scheduled_request(self, seq: Sequence, n: int, drafts: list[int], num_tokens: int) -> ScheduledRequest:
         """Allocate the blocks for ``num_tokens`` positions and describe the step's work for the runner."""
-        request_id, start = seq.request_id, seq.num_computed_tokens
+        request_id, start, end = seq.request_id, seq.num_computed_tokens, seq.num_computed_tokens + n
         block_ids = self.kv.allocate(request_id, num_tokens)
-        self.prefix.scheduled(seq, n, self.kv.first_state_slot(request_id))
-        token_ids = token_slice(seq.prompt_token_ids, seq.output_token_ids, start, start + n) + drafts
+        first_state_slot = self.kv.first_state_slot(request_id)
+        self.prefix.scheduled(seq, n, first_state_slot)
+        token_ids = token_slice(seq.prompt_token_ids, seq.output_token_ids, start, end) + drafts
         return ScheduledRequest(  # positional, in field order: this runs for every request of every step
             request_id, seq.params, start, n + len(drafts), token_ids, drafts, seq.draft_probs if drafts else None,
-            block_ids, self.kv.first_state_slot(request_id), seq.state_index, len(seq.output_token_ids),
-            start + n == seq.num_tokens, seq.prompt_len, seq.prompt_logprobs_due(start, start + n),
+            block_ids, first_state_slot, seq.state_index, len(seq.output_token_ids), end == seq.num_tokens,
+            seq.prompt_len, seq.prompt_logprobs_due(start, end) if seq.prompt_logprobs is not None else [],
             self._gdn_chunked(seq))
 
     def _gdn_chunked(self, seq: Sequence) -> bool | None:

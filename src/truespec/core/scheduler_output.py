@@ -34,11 +34,16 @@ class ScheduledRequest:
     # a GdnPrefillRule's path (core/gdn_prefill_rule.py): True, a long prompt whose chunks of prompt rows only run fla's
     # chunk kernel in the GDN layers; False, the token loop for every row; None, no rule (the layer decides by length)
     gdn_chunked: bool | None = None
+    # derived once at construction (the fields above never change: the hot path reads these per request per step)
+    # sequence tokens computed this step (a prefill chunk, or 1 for a decode), drafts excluded
+    num_new_tokens: int = field(init=False, repr=False, compare=False)
+    # rows the sampler needs: 1 + drafts on the last chunk, none for an earlier prefill chunk
+    num_logits: int = field(init=False, repr=False, compare=False)
 
-    @property
-    def num_new_tokens(self) -> int:
-        """Sequence tokens computed this step (a prefill chunk, or 1 for a decode), drafts excluded."""
-        return self.num_scheduled_tokens - len(self.draft_token_ids)
+    def __post_init__(self) -> None:
+        num_drafts = len(self.draft_token_ids)
+        self.num_new_tokens = self.num_scheduled_tokens - num_drafts
+        self.num_logits = 1 + num_drafts if self.is_last_chunk else 0
 
     @property
     def state_src(self) -> int:
@@ -51,11 +56,6 @@ class ScheduledRequest:
         re-prefill after preemption; 0 for decodes and verifies. On CUDA their attention runs in the prefill kernel
         (kernels/step_attention.py)."""
         return min(max(self.prompt_len - self.num_computed_tokens, 0), self.num_scheduled_tokens)
-
-    @property
-    def num_logits(self) -> int:
-        """Rows the sampler needs: 1 + drafts on the last chunk, none for an earlier prefill chunk."""
-        return 1 + len(self.draft_token_ids) if self.is_last_chunk else 0
 
     @property
     def prompt_logprobs_rows(self) -> range:

@@ -27,7 +27,8 @@ class Sequence:
                  params: SamplingParams, max_output_len: int, arrival_time: float | None = None) -> None:
         self.request_id = request_id
         self.prompt = prompt
-        self.prompt_token_ids = list(prompt_token_ids)
+        self.prompt_token_ids = list(prompt_token_ids)  # never changes: only output tokens are appended
+        self.prompt_len = len(self.prompt_token_ids)  # read several times per request per step: not a property
         self.output_token_ids: list[int] = []
         self.output_logprobs: list[dict[int, float]] = []  # when params.logprobs is set
         # when params.prompt_logprobs is set: None for the first prompt token, then one entry per prompt token as
@@ -73,10 +74,6 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
-
-    @property
-    def prompt_len(self) -> int:
-        return len(self.prompt_token_ids)
 
     @property
     def num_uncomputed_tokens(self) -> int:

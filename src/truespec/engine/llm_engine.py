@@ -279,10 +279,11 @@ class LLMEngine:
             requests.append(DraftRequest(
                 r.request_id, r.params, seq.prompt_token_ids, seq.output_token_ids, r.num_computed_tokens,
                 seq.num_computed_tokens, i, r.block_ids, r.first_state_slot, num_drafts > 0,
-                min(num_drafts, self.scheduler.max_drafts(seq))))
+                num_drafts and min(num_drafts, self.scheduler.max_drafts(seq))))  # max_drafts is never negative
         drafts = self.proposer.propose(requests, output, sched.finished_req_ids)
         for request_id, d in drafts.items():
-            self.seqs[request_id].draft_token_ids, self.seqs[request_id].draft_probs = d.token_ids, d.probs
+            seq = self.seqs[request_id]
+            seq.draft_token_ids, seq.draft_probs = d.token_ids, d.probs
 
     def _take_device_drafts(self, sched: SchedulerOutput, output: ModelRunnerOutput, drafts: DeviceDrafts,
                             is_queued: bool) -> None:

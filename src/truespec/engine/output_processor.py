@@ -32,6 +32,10 @@ class OutputProcessor:
         """Append ``tokens`` to ``seq`` one by one until one stops it; the finish reason, or None.
         Nothing after the stopping token is appended."""
         now = time.monotonic() if now is None else now
+        if logprobs is None and not self.stop_checker.can_stop(seq, tokens):  # a step's tokens at once
+            seq.output_token_ids += tokens
+            seq.token_times += [now] * len(tokens)
+            return None
         for i, token in enumerate(tokens):
             seq.output_token_ids.append(token)
             seq.token_times.append(now)

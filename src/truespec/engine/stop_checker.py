@@ -30,6 +30,16 @@ class StopChecker:
             return self._finish(seq, "length", None)
         return None
 
+    def can_stop(self, seq: Sequence, tokens: list[int]) -> bool:
+        """Whether ``check`` could stop ``seq`` at any of ``tokens`` appended one by one (False: it certainly stops at
+        none, so they may go in at once). Ignores min_tokens, which only ever delays a stop."""
+        p = seq.params
+        if p.stop or len(seq.output_token_ids) + len(tokens) >= seq.max_output_len:
+            return True
+        if not p.ignore_eos and not self.eos_token_ids.isdisjoint(tokens):
+            return True
+        return bool(p.stop_token_ids) and not set(p.stop_token_ids).isdisjoint(tokens)
+
     def _match_stop_string(self, seq: Sequence) -> bool:
         """The earliest stop string that ends past the text of the first ``min_tokens`` tokens (vLLM ignores a
         stop string inside that text); cut the output text there."""

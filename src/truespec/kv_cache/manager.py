@@ -74,8 +74,10 @@ class KVCacheManager:
 
     def can_allocate(self, request_id: str, num_tokens: int, hit: PrefixHit = NO_HIT) -> bool:
         """Whether the table can cover ``num_tokens`` positions (after taking ``hit``'s blocks, for a new request)."""
-        taken = self.cache.num_evictable_in(hit.block_ids) if self.cache is not None else 0
         needed = self.num_blocks_needed(request_id, num_tokens) - len(hit.block_ids)
+        if needed <= 0:  # the common decode: its table covers the step (free blocks never drop below ``taken``)
+            return True
+        taken = self.cache.num_evictable_in(hit.block_ids) if self.cache is not None else 0
         return needed <= self.num_free_blocks - taken
 
     def allocate(self, request_id: str, num_tokens: int) -> list[int]:

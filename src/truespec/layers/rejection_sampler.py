@@ -87,6 +87,8 @@ def emitted_tokens(draft_token_ids: list[int], draws: list[int]) -> list[int]:
 def greedy_verify(draft_token_ids: list[int], target_argmax: list[int]) -> list[int]:
     """Greedy verification from the target's argmax at each of the 1 + d positions: the drafts up to the first
     one that differs, then the target's token there."""
+    if not draft_token_ids:  # a plain decode
+        return target_argmax[:1]
     accepted = _num_leading_equal(draft_token_ids, target_argmax)
     return draft_token_ids[:accepted] + [target_argmax[accepted]]
 

@@ -17,7 +17,7 @@ from truespec.sampling_params import SamplingParams
 from truespec.worker.runner_output import ModelRunnerOutput
 
 
-@dataclass
+@dataclass(slots=True)
 class DraftRequest:
     request_id: str
     params: SamplingParams

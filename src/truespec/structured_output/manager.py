@@ -56,7 +56,7 @@ class StructuredOutputManager:
         """[rows, num_words] int32 on the host, one row per logits row of the step: bit t % 32 of word t // 32 set
         when token t may be sampled there (xgrammar's layout); all ones for a row without a constraint. None when
         no request of the step is constrained: the runner then fills the all-ones mask on the device itself."""
-        if not any(r.num_logits and r.request_id in self.matchers for r in scheduled):
+        if not self.matchers or not any(r.num_logits and r.request_id in self.matchers for r in scheduled):
             return None
         mask = torch.full((sum(r.num_logits for r in scheduled), self.num_words), -1, dtype=torch.int32)
         row = 0

@@ -17,7 +17,7 @@ from truespec.layers.backend import kernels, use_kernels
 from truespec.ops.spec_step import move_positions_ref
 
 
-@dataclass
+@dataclass(slots=True)
 class ContextRow:
     block_ids: list[int]  # the request's KV blocks (attention layers)
     start: int  # position of the first query token (= tokens already cached)
@@ -79,12 +79,17 @@ def build_step(rows: list[ContextRow], input_ids: list[int], positions: list[int
         raise ValueError(f"a step of {num_tokens} tokens / {num_reqs} requests does not fit pad_to={pad_to}")
     width = max((len(row.block_ids) for row in rows), default=0) if width is None else width
     query_start_loc, seq_lens, slot_mapping, logits_indices = [0], [], [], []
+    row_end = 0  # the running query_start_loc
     for row in rows:
-        end = row.start + row.query_len
-        slot_mapping += kv_slots(row.block_ids, row.start, end, block_size)
-        query_start_loc.append(query_start_loc[-1] + row.query_len)
+        start, query_len = row.start, row.query_len
+        end, row_end = start + query_len, row_end + query_len
+        if query_len == 1:  # a decode: kv_slots' one slot, without the call (this loop is the host's hot path)
+            slot_mapping.append(row.block_ids[start // block_size] * block_size + start % block_size)
+        else:
+            slot_mapping += kv_slots(row.block_ids, start, end, block_size)
+        query_start_loc.append(row_end)
         seq_lens.append(end)
-        logits_indices += range(query_start_loc[-1] - row.num_logits, query_start_loc[-1])
+        logits_indices += range(row_end - row.num_logits, row_end)
     t, r = size_t, size_r
     cuts = _layout(t, r, width)
     meta_len = sum(cuts[:10])

@@ -115,10 +115,11 @@ class ModelRunner:
             step.spans.append((row, n))
             if n and r.params.logprobs is not None:  # as vLLM: after the grammar mask, before min_tokens bans
                 step.raw[row] = torch.log_softmax(logits[row:row + n], dim=-1)
-            num_banned_rows = min(n, r.params.min_tokens - r.num_output_tokens)  # row i: output token num_output + i
-            banned = self._min_tokens_bans(r.params) if num_banned_rows > 0 else []
-            if banned:
-                logits[row:row + num_banned_rows, banned] = float("-inf")
+            if n and r.params.min_tokens > r.num_output_tokens:
+                num_banned_rows = min(n, r.params.min_tokens - r.num_output_tokens)  # row i: output num_output + i
+                banned = self._min_tokens_bans(r.params)
+                if banned:
+                    logits[row:row + num_banned_rows, banned] = float("-inf")
             row += n
         self._queue_tokens(step)
         step.prompt_logprobs = queue_prompt_logprobs(self.model, hidden, scheduled, ctx.query_start_loc_cpu)
@@ -207,12 +208,12 @@ class ModelRunner:
         positions: list[int] = []
         rows = []
         for r in scheduled:
-            start, query_len = r.num_computed_tokens, r.num_scheduled_tokens
+            start, query_len, num_prompt_rows = r.num_computed_tokens, r.num_scheduled_tokens, r.num_prompt_rows
             input_ids += r.token_ids
             positions += range(start, start + query_len)
-            gdn_chunked = None if r.gdn_chunked is None else r.gdn_chunked and r.num_prompt_rows == query_len
+            gdn_chunked = None if r.gdn_chunked is None else r.gdn_chunked and num_prompt_rows == query_len
             rows.append(ContextRow(r.block_ids, start, query_len, r.state_src, r.first_state_slot,
-                                   r.num_new_tokens - 1, r.num_logits, r.num_prompt_rows, gdn_chunked))
+                                   r.num_new_tokens - 1, r.num_logits, num_prompt_rows, gdn_chunked))
         return rows, input_ids, positions
 
     def _generator(self, request_id: str, params: SamplingParams) -> torch.Generator:
