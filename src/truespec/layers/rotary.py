@@ -100,4 +100,6 @@ def apply_qk_norm_rotary(
         q_weight, k_weight, eps, unit_offset = q_norm.weight, k_norm.weight, q_norm.eps, q_norm.unit_offset
     if use_kernels(q) and q.stride(-1) == 1 and k.stride(-1) == 1:
         return kernels().qk_norm_rope(q, k, cos, sin, q_weight, k_weight, eps, unit_offset)
-    return qk_norm_rope_ref(q, k, cos, sin, q_weight, k_weight, eps, unit_offset)
+    if q_norm is not None and k_norm is not None:  # the norms' own torch path (one op each on the CPU), then RoPE
+        q, k = q_norm(q), k_norm(k)
+    return qk_norm_rope_ref(q, k, cos, sin)
