@@ -22,7 +22,7 @@ import torch
 from truespec.ops.activation import get_activation
 from truespec.ops.gdn import l2norm
 from truespec.ops.precision import as_dtype, compute_dtype
-from truespec.ops.state_slots import SlotGather, StateSlots
+from truespec.ops.state_slots import SlotGather, StateSlots, long_tensor
 
 
 @dataclass(frozen=True)
@@ -60,17 +60,17 @@ class StepRows:
         for t in range(max_len):
             pairs = [(i, s) for i in range(num_active[t]) if (s := slots.kept_slot(order[i], t)) is not None]
             positions = [i for i, _ in pairs]
-            at = slice(0, len(pairs)) if positions == list(range(len(pairs))) else torch.tensor(positions)
-            kept.append((at, torch.tensor([s for _, s in pairs])) if pairs else None)
+            at = slice(0, len(pairs)) if positions == list(range(len(pairs))) else long_tensor(positions)
+            kept.append((at, long_tensor([s for _, s in pairs])) if pairs else None)
             for i, s in pairs:
                 window_rows.append([row(order[i], t - width + 1 + j) for j in range(width)])
                 window_slots.append(s)
         src = [slots.state_src[r] for r in order]
         return cls(num_tokens, SlotGather.of(src), SlotGather.of(slots.state_src),
-                   torch.tensor(time_major, dtype=torch.long), time_major == list(range(num_tokens)), num_active,
-                   kept, torch.tensor(taps, dtype=torch.long).view(-1, kernel_size),
-                   (torch.tensor(window_rows, dtype=torch.long).view(-1, width),
-                    torch.tensor(window_slots, dtype=torch.long)), _in_place(src, kept))  # fmt: skip
+                   long_tensor(time_major), time_major == list(range(num_tokens)), num_active,
+                   kept, long_tensor(taps).view(-1, kernel_size),
+                   (long_tensor(window_rows).view(-1, width),
+                    long_tensor(window_slots)), _in_place(src, kept))  # fmt: skip
 
 
 def _in_place(src: list[int], kept: list[tuple[torch.Tensor | slice, torch.Tensor] | None]) -> slice | None:
