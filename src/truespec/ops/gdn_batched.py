@@ -143,11 +143,11 @@ def gdn_recurrent_batched(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: 
     cdt, n = ssm_state.dtype, rows.num_tokens
     (num_k_heads, head_k_dim), (num_v_heads, head_v_dim) = q.shape[1:], v.shape[1:]
     scale = head_k_dim**-0.5 if scale is None else scale
-    qc, kc = as_dtype(q[:n], cdt), as_dtype(k[:n], cdt)
+    qc, kc = as_dtype(_first(q, n), cdt), as_dtype(_first(k, n), cdt)
     if use_qk_l2norm:
-        qc, kc = l2norm(qc), l2norm(kc)
+        qc, kc = _l2norm_pair(qc, kc)
     qc = qc * scale
-    vc, decay, bc = as_dtype(v[:n], cdt), g[:n].exp(), beta[:n]
+    vc, decay, bc = as_dtype(_first(v, n), cdt), _first(g, n).exp(), _first(beta, n)
     tm = rows.time_major
     if not rows.is_token_order:  # time-major: step t's rows are consecutive
         qc, kc, vc, decay, bc = (x.index_select(0, tm) for x in (qc, kc, vc, decay, bc))
@@ -157,7 +157,7 @@ def gdn_recurrent_batched(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: 
     # products repeat_interleave's copies gave, without the copies); the views made once, sliced per token step
     heads = (num_k_heads, num_v_heads // num_k_heads)
     states = states.view(-1, *heads, head_k_dim, head_v_dim)
-    qc, kc = qc[:, :, None, :, None], kc[:, :, None, :, None]  # [n, HK, 1, DK, 1]
+    qc, kc = qc.reshape(-1, num_k_heads, 1, head_k_dim, 1), kc.reshape(-1, num_k_heads, 1, head_k_dim, 1)
     decay, bc, vc = decay.view(-1, *heads, 1, 1), bc.view(-1, *heads, 1), vc.view(-1, *heads, head_v_dim)
     if rows.in_place is not None:  # a plain decode batch: one token step, every state kept where it is
         res = _delta_rule_step(states, decay, kc, vc, bc, qc)
@@ -170,6 +170,24 @@ def gdn_recurrent_batched(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: 
         return res
     out = torch.zeros(*v.shape, dtype=v.dtype, device=v.device)
     return out.index_copy_(0, tm, res)
+
+
+def _first(x: torch.Tensor, n: int) -> torch.Tensor:
+    """Rows 0 .. n - 1 of x (x itself when that is all of it: no slice to dispatch)."""
+    return x if x.shape[0] == n else x[:n]
+
+
+def _l2norm_pair(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(l2norm(q), l2norm(k)) for q, k [n, HK, DK]. Where k's heads follow q's in one tensor (the layer's [q | k | v]
+    conv output), both are normed as one [n, 2 HK, DK] view: each head's sum is the same 64 contiguous values in the
+    same order, so the bits are those of two calls, with one set of ops instead of two."""
+    n, num_heads, head_dim = q.shape
+    is_pair = (q.stride() == k.stride() and q.stride()[1:] == (head_dim, 1) and q.dtype == k.dtype
+               and k.data_ptr() == q.data_ptr() + num_heads * head_dim * q.element_size())
+    if not is_pair:
+        return l2norm(q), l2norm(k)
+    qk = l2norm(q.as_strided((n, 2 * num_heads, head_dim), (q.stride(0), head_dim, 1)))
+    return qk[:, :num_heads], qk[:, num_heads:]
 
 
 def _token_steps(states: torch.Tensor, decay: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor,
