@@ -2,7 +2,7 @@
 tap-major), computed once instead of in every step: each is an op of a few microseconds that a step would otherwise
 repeat in every layer. Recomputed when the parameter changes (another tensor, or written in place: the loader
 fills parameters with ``copy_``, which bumps their version counter). The values are the same ops on the same
-inputs as before, so every bit is."""
+inputs as before, so every bit is. (A write through ``.data`` bypasses the counter and is not seen.)"""
 
 from collections.abc import Callable
 
@@ -16,7 +16,7 @@ def derived(module: nn.Module, name: str, source: torch.Tensor,
     records it, so a gradient still reaches the parameter, and for an inference tensor, which keeps no version)."""
     if source.is_inference() or (torch.is_grad_enabled() and source.requires_grad):
         return compute(source)
-    key = (source.data_ptr(), source._version, source.dtype, source.device)
+    key = (source.data_ptr(), source._version, source.dtype)
     cache: dict[str, tuple[tuple, torch.Tensor]] = module.__dict__.setdefault("_derived_weights", {})
     hit = cache.get(name)
     if hit is not None and hit[0] == key:

@@ -76,4 +76,4 @@ class GatedRMSNorm(nn.Module):
 
 def is_cpu_exact(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """A float32 / float64 norm on the CPU, weight of x's dtype: ``F.rms_norm`` gives the reference's bits."""
-    return x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64) and weight.dtype == x.dtype
+    return x.is_cpu and x.dtype in (torch.float32, torch.float64) and weight.dtype == x.dtype
