@@ -179,7 +179,7 @@ def _first(x: torch.Tensor, n: int) -> torch.Tensor:
 
 def _l2norm_pair(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(l2norm(q), l2norm(k)) for q, k [n, HK, DK]. Where k's heads follow q's in one tensor (the layer's [q | k | v]
-    conv output), both are normed as one [n, 2 HK, DK] view: each head's sum is the same 64 contiguous values in the
+    conv output), both are normed as one [n, 2 HK, DK] view: each head's sum is the same DK contiguous values in the
     same order, so the bits are those of two calls, with one set of ops instead of two."""
     n, num_heads, head_dim = q.shape
     is_pair = (q.stride() == k.stride() and q.stride()[1:] == (head_dim, 1) and q.dtype == k.dtype
