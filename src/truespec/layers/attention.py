@@ -78,9 +78,7 @@ class PagedAttention(nn.Module):
             store_packed_ref(self.kv_format.encode(k[:num_tokens], v[:num_tokens]), self.kv_cache, ctx.slot_mapping)
             decode = functools.partial(self.kv_format.decode, head_dim=self.head_dim, dtype=q.dtype)
             return self._attend_torch(q, meta, decode)
-        if "kv_slots_all_valid" not in ctx.host_cache:  # once per step, shared by the layers
-            ctx.host_cache["kv_slots_all_valid"] = bool((ctx.slot_mapping >= 0).all())
-        reshape_and_cache_ref(k, v, self.kv_cache, ctx.slot_mapping, ctx.host_cache["kv_slots_all_valid"])
+        reshape_and_cache_ref(k, v, self.kv_cache, ctx.slot_mapping)
         return self._attend_torch(q, meta, None)
 
     def _attend_torch(self, q: torch.Tensor, meta: tuple[torch.Tensor, ...],

@@ -14,13 +14,12 @@ from torch import nn
 
 from truespec.forward_context import ForwardContext, get_forward_context
 from truespec.layers.backend import kernels, use_kernels
-from truespec.layers.derived_weights import derived
 from truespec.layers.linear import Linear, MergedLinear, use_checkpoint_names
 from truespec.layers.norm import GatedRMSNorm
 from truespec.ops.activation import get_activation
 from truespec.ops.gdn import gdn_gating_ref
-from truespec.ops.gdn_batched import StepRows, causal_conv1d_batched, conv_tap_weights, gdn_recurrent_batched
-from truespec.ops.precision import as_dtype, compute_dtype
+from truespec.ops.gdn_batched import StepRows, causal_conv1d_batched, gdn_recurrent_batched
+from truespec.ops.precision import compute_dtype
 from truespec.ops.state_slots import StateSlots
 
 
@@ -112,12 +111,8 @@ class GatedDeltaNet(nn.Module):
             return self._forward_kernels(x, ctx)
         slots, rows = self._step_rows(ctx)
         mixed_qkv, z, b, a = self.in_proj.split(self.in_proj(x))  # [T, conv_dim], [T, value_dim], [T, HV] x 2
-        cdt = compute_dtype(x.dtype)
-        decay_rate = derived(self, "decay_rate", self.A_log, lambda w: -as_dtype(w, cdt).exp())
-        g, beta = gdn_gating_ref(a, b, self.A_log, self.dt_bias, decay_rate)  # [T, HV] each, compute dtype
-        weight_t = derived(self, "conv_taps", self.conv1d.weight, lambda w: conv_tap_weights(w, cdt))
-        conv_out = causal_conv1d_batched(mixed_qkv, self.conv1d.weight, self.conv_state, slots, rows, self.hidden_act,
-                                         weight_t)  # fmt: skip
+        g, beta = gdn_gating_ref(a, b, self.A_log, self.dt_bias)  # [T, HV] each, compute dtype
+        conv_out = causal_conv1d_batched(mixed_qkv, self.conv1d.weight, self.conv_state, slots, rows, self.hidden_act)
         core = gdn_recurrent_batched(*self._split_heads(conv_out), g, beta, self.ssm_state, rows)
         core = self.norm(core, z.unflatten(-1, (self.num_v_heads, self.head_v_dim)))
         return self.out_proj(core.reshape(x.shape[0], self.value_dim))

@@ -2,18 +2,13 @@
 
 ``RMSNorm.add_norm`` is the residual stream's pre-norm: ``residual + x`` and its norm in one step (one
 fused kernel on CUDA), so a decoder layer never launches a separate residual add. The math, and the
-cast order each variant follows, is ``ops/norm.py``'s. On the CPU, for float32 / float64 (where every cast of the
-reference is a no-op), a norm is one ``F.rms_norm`` call: torch's CPU ``rms_norm`` runs the reference's own ops
-(pow, mean, + eps, rsqrt, two products) in its order, so the bits are the reference's
-(tests/test_cpu_batched_ops.py checks it), with one dispatch from Python instead of seven.
+cast order each variant follows, is ``ops/norm.py``'s.
 """
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from truespec.layers.backend import kernels, use_kernels
-from truespec.layers.derived_weights import derived
 from truespec.ops.norm import add_rms_norm_ref, rms_norm_ref
 
 
@@ -35,9 +30,6 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if use_kernels(x) and x.stride(-1) == 1:  # one fused kernel (tests/test_kernels.py: same formula)
             return kernels().rms_norm(x, self.weight, self.eps, unit_offset=self.unit_offset)
-        if is_cpu_exact(x, self.weight):
-            scale = derived(self, "scale", self.weight, lambda w: 1.0 + w) if self.unit_offset else self.weight
-            return F.rms_norm(x, scale.shape, scale, self.eps)
         return rms_norm_ref(x, self.weight, self.eps, self.unit_offset)
 
     def add_norm(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -47,9 +39,6 @@ class RMSNorm(nn.Module):
             return self(x), x
         if use_kernels(x) and x.stride(-1) == 1 and residual.stride(-1) == 1:
             return kernels().add_rms_norm(x, residual, self.weight, self.eps, unit_offset=self.unit_offset)
-        if is_cpu_exact(x, self.weight):
-            residual = residual + x
-            return self(residual), residual
         return add_rms_norm_ref(x, residual, self.weight, self.eps, self.unit_offset)
 
     def extra_repr(self) -> str:
@@ -66,14 +55,7 @@ class GatedRMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         # x, gate: [..., dim]. Norm before gate; the gate is applied in the compute dtype.
-        if is_cpu_exact(x, self.weight) and gate.dtype == x.dtype:
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps) * F.silu(gate)
         return rms_norm_ref(x, self.weight, self.eps, gate=gate)
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.eps}"
-
-
-def is_cpu_exact(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """A float32 / float64 norm on the CPU, weight of x's dtype: ``F.rms_norm`` gives the reference's bits."""
-    return x.is_cpu and x.dtype in (torch.float32, torch.float64) and weight.dtype == x.dtype

@@ -16,7 +16,7 @@ from torch import nn
 from truespec.layers.backend import kernels, use_kernels
 from truespec.layers.norm import RMSNorm
 from truespec.ops.precision import compute_dtype
-from truespec.ops.rotary import apply_rotary, qk_norm_rope_ref
+from truespec.ops.rotary import qk_norm_rope_ref
 
 # "dynamic" and "longrope" change inv_freq with the longest sequence in the *batch* in transformers:
 # batch-dependent math that a paged KV cache (and invariant 1) cannot honour.
@@ -100,10 +100,4 @@ def apply_qk_norm_rotary(
         q_weight, k_weight, eps, unit_offset = q_norm.weight, k_norm.weight, q_norm.eps, q_norm.unit_offset
     if use_kernels(q) and q.stride(-1) == 1 and k.stride(-1) == 1:
         return kernels().qk_norm_rope(q, k, cos, sin, q_weight, k_weight, eps, unit_offset)
-    if q_norm is None or k_norm is None:
-        return qk_norm_rope_ref(q, k, cos, sin)
-    # the norms' own torch path (one op each on the CPU), then RoPE on q and k's heads side by side: the same
-    # elementwise ops, once per layer instead of once per tensor
-    q, k = q_norm(q), k_norm(k)
-    qk = apply_rotary(torch.cat([q, k], dim=1), cos, sin)
-    return qk[:, :q.shape[1]], qk[:, q.shape[1]:]
+    return qk_norm_rope_ref(q, k, cos, sin, q_weight, k_weight, eps, unit_offset)

@@ -51,20 +51,14 @@ def split_layout(num_keys: int, block_n: int, max_splits: int, min_split_keys: i
     return split_size, max(-(-num_keys // split_size), 1)
 
 
-def reshape_and_cache_ref(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                          is_all_valid: bool = False) -> None:  # fmt: skip
-    """Store k/v [T', num_kv_heads, head_dim] at ``slot_mapping`` [T] (T <= T'; rows with slot -1 write nothing).
-    ``is_all_valid``: the caller knows no slot is -1 (the CPU path, once per step): no mask is applied."""
+def reshape_and_cache_ref(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Store k/v [T', num_kv_heads, head_dim] at ``slot_mapping`` [T] (T <= T'; rows with slot -1 write nothing)."""
     num_kv_heads, head_dim = kv_cache.shape[-2:]
     num_tokens = slot_mapping.shape[0]
-    if is_all_valid:
-        slots = slot_mapping
-        k, v = (k, v) if k.shape[0] == num_tokens else (k[:num_tokens], v[:num_tokens])
-    else:
-        is_valid = slot_mapping >= 0
-        slots, k, v = slot_mapping[is_valid], k[:num_tokens][is_valid], v[:num_tokens][is_valid]
-    kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slots, k)
-    kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slots, v)
+    is_valid = slot_mapping >= 0
+    slots = slot_mapping[is_valid]
+    kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slots, k[:num_tokens][is_valid])
+    kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slots, v[:num_tokens][is_valid])
 
 
 def store_packed_ref(slot_bytes: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:

@@ -59,18 +59,13 @@ def _attend_group(q: torch.Tensor, kv_cache: torch.Tensor, group: GroupRows, sca
 def _online_softmax(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, is_masked: torch.Tensor,
                     scale: float) -> torch.Tensor:  # fmt: skip
     """q [R, H_kv, M, D] over tile-major keys^T [tiles, R, H_kv, D, TILE] and values [tiles, R, H_kv, TILE, D],
-    ``is_masked`` [R, 1, M, tiles * TILE]: softmax(q k^T * scale) v, tile by tile. The first tile starts from
-    m = -inf, l = 0, acc = 0 (so alpha = 0) without computing them: l = 0 * 0 + sum(p) is sum(p), and acc =
-    0 * 0 + p v is p v + 0.0 (which only turns a -0.0 into +0.0, as that sum does): the same bits."""
-    m = l = acc = None
+    ``is_masked`` [R, 1, M, tiles * TILE]: softmax(q k^T * scale) v, tile by tile."""
+    m = torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype)
+    l = torch.zeros_like(m)
+    acc = torch.zeros_like(q)
     for i in range(keys.shape[0]):
         s = torch.matmul(q, keys[i]) * scale  # [R, H_kv, M, TILE]
         s = s.masked_fill(is_masked[..., i * TILE : (i + 1) * TILE], float("-inf"))
-        if m is None:
-            m = s.amax(-1)
-            p = torch.exp(s - m[..., None])
-            l, acc = p.sum(-1), torch.matmul(p, values[i]) + 0.0
-            continue
         m_new = torch.maximum(m, s.amax(-1))
         alpha = torch.exp(m - m_new)
         p = torch.exp(s - m_new[..., None])

@@ -9,7 +9,6 @@ requests (S: the longest context, padded to whole tiles of ``TILE`` keys).
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 TILE = 128  # keys per online-softmax tile
@@ -63,57 +62,46 @@ class StepAttentionRows:
 
 def _group_rows(group: list[int], qsl: list[int], lens: list[int], block_tables: torch.Tensor, block_size: int,
                 num_kv_heads: int, group_size: int) -> GroupRows:  # fmt: skip
-    """Built in numpy (a few small arrays: numpy's calls cost a fraction of torch's dispatch), handed over as tensors
-    on the block tables' device."""
-    starts, query_lens = np.array([qsl[r] for r in group]), np.array([qsl[r + 1] - qsl[r] for r in group])
-    seq_lens = np.array([lens[r] for r in group])
-    num_rows, num_keys = int(query_lens.max()), -(-int(seq_lens.max()) // TILE) * TILE
-    offsets = np.arange(num_rows)[None, :]
-    is_row = offsets < query_lens[:, None]  # [R, L]
-    rows = starts[:, None] + np.where(is_row, offsets, 0)  # padding: the request's first row
+    query_lens = [qsl[r + 1] - qsl[r] for r in group]
+    num_rows, num_keys = max(query_lens), -(-max(lens[r] for r in group) // TILE) * TILE
+    rows = torch.tensor([[qsl[r] + (j if j < n else 0) for j in range(num_rows)]
+                         for r, n in zip(group, query_lens, strict=True)])  # fmt: skip
+    is_row = torch.tensor([[j < n for j in range(num_rows)] for n in query_lens])  # [R, L]
     # row (i, j) sees keys 0 .. limit - 1 (padding rows: key 0 only, so no row is all -inf)
-    limit = np.where(is_row, (seq_lens - query_lens)[:, None] + offsets + 1, 1)
-    is_masked = np.arange(num_keys)[None, None, None, :] >= limit[:, :, None, None]  # [R, L, 1, S]
-    is_masked = np.broadcast_to(is_masked, (len(group), num_rows, group_size, num_keys)).reshape(len(group), 1, -1,
-                                                                                                  num_keys)  # fmt: skip
-    tables = block_tables[group].cpu().numpy() if block_tables.device.type != "cpu" else block_tables.numpy()[group]
-    kv_slots, is_pad = _kv_slots(tables, seq_lens, num_keys, block_size)
-    flat = rows.ravel()
-    first_row = int(flat[0]) if is_row.all() and (flat == np.arange(flat[0], flat[0] + flat.size)).all() else None
-    tile_rows, pad_tile_rows = _tile_rows(kv_slots, is_pad, len(group), num_kv_heads)
-    pad_keys = np.flatnonzero(is_pad) if is_pad.any() else None
-    on = block_tables.device
-    return GroupRows(len(group), num_rows, _tensor(rows, on), _tensor(is_row, on), _tensor(rows[is_row], on),
-                     _tensor(is_masked, on), _tensor(kv_slots, on), _tensor(pad_keys, on), _tensor(tile_rows, on),
-                     _tensor(pad_tile_rows, on), first_row)  # fmt: skip
+    limit = torch.tensor([[lens[r] - n + j + 1 if j < n else 1 for j in range(num_rows)]
+                          for r, n in zip(group, query_lens, strict=True)])  # fmt: skip
+    is_key = torch.arange(num_keys)[None, None, :] < limit[:, :, None]  # [R, L, S]
+    is_key = is_key[:, None, :, None, :].expand(-1, 1, -1, group_size, -1).reshape(len(group), 1, -1, num_keys)
+    kv_slots, pad_keys = _kv_slots(block_tables[group], torch.tensor([lens[r] for r in group]), num_keys,
+                                   block_size)  # fmt: skip
+    flat = rows.flatten().tolist()
+    first_row = flat[0] if flat == list(range(flat[0], flat[0] + len(flat))) and bool(is_row.all()) else None
+    return GroupRows(len(group), num_rows, rows, is_row, rows[is_row], ~is_key, kv_slots, pad_keys,
+                     *_tile_rows(kv_slots, pad_keys, len(group), num_kv_heads), first_row)  # fmt: skip
 
 
-def _tensor(x: np.ndarray | None, device: torch.device) -> torch.Tensor | None:
-    """A host array as a tensor (int64 or bool) on ``device``; None stays None."""
-    if x is None:
-        return None
-    x = np.ascontiguousarray(x, dtype=bool if x.dtype == bool else np.int64)
-    t = torch.from_numpy(x if x.flags.writeable else x.copy())  # a broadcast view is read-only
-    return t if device.type == "cpu" else t.to(device)
+def _tile_rows(kv_slots: torch.Tensor, pad_keys: torch.Tensor | None, num_reqs: int,
+               num_kv_heads: int) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+    """``GroupRows.tile_rows`` and ``pad_tile_rows`` from the [R * S] slots and their padding positions."""
+    def tile_major(x: torch.Tensor) -> torch.Tensor:  # [R * S] -> [tiles, R, H_kv, TILE]
+        return x.view(num_reqs, -1, TILE).permute(1, 0, 2)[:, :, None, :].expand(-1, -1, num_kv_heads, -1)
+
+    tile_rows = (tile_major(kv_slots) * num_kv_heads + torch.arange(num_kv_heads)[None, None, :, None]).flatten()
+    if pad_keys is None:
+        return tile_rows, None
+    is_pad = torch.zeros(kv_slots.shape, dtype=torch.bool)
+    is_pad[pad_keys] = True
+    return tile_rows, tile_major(is_pad).flatten().nonzero().flatten()
 
 
-def _tile_rows(kv_slots: np.ndarray, is_pad: np.ndarray, num_reqs: int,
-               num_kv_heads: int) -> tuple[np.ndarray, np.ndarray | None]:  # fmt: skip
-    """``GroupRows.tile_rows`` and ``pad_tile_rows`` from the [R * S] slots and which of them are padding."""
-    def tile_major(x: np.ndarray) -> np.ndarray:  # [R * S] -> [tiles, R, H_kv, TILE]
-        x = x.reshape(num_reqs, -1, TILE).transpose(1, 0, 2)[:, :, None, :]
-        return np.broadcast_to(x, (x.shape[0], num_reqs, num_kv_heads, TILE))
-
-    tile_rows = (tile_major(kv_slots) * num_kv_heads + np.arange(num_kv_heads)[None, None, :, None]).ravel()
-    return tile_rows, (np.flatnonzero(tile_major(is_pad)) if is_pad.any() else None)
-
-
-def _kv_slots(block_tables: np.ndarray, seq_lens: np.ndarray, num_keys: int,
-              block_size: int) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
+def _kv_slots(block_tables: torch.Tensor, seq_lens: torch.Tensor, num_keys: int,
+              block_size: int) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
     """The flat cache slot of each request's key positions 0 .. num_keys - 1 ([R * S], 0 at or past its
-    ``seq_lens`` and in a padding request's block -1), and which of them are such padding positions ([R * S])."""
-    positions = np.arange(num_keys)
-    blocks = np.minimum(positions // block_size, block_tables.shape[1] - 1)
+    ``seq_lens`` and in a padding request's block -1), and where those padding positions are in it (None when there
+    are none)."""
+    positions = torch.arange(num_keys)
+    blocks = (positions // block_size).clamp(max=block_tables.shape[1] - 1)
     slots = block_tables[:, blocks] * block_size + positions % block_size
     is_key = (positions[None, :] < seq_lens[:, None]) & (slots >= 0)  # [R, S]
-    return np.where(is_key, slots, 0).ravel(), ~is_key.ravel()
+    slots = torch.where(is_key, slots, 0).flatten()
+    return slots, None if bool(is_key.all()) else (~is_key).flatten().nonzero().flatten()

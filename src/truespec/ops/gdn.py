@@ -43,16 +43,13 @@ class GateInputs:
 
 
 def gdn_gating_ref(
-    a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,  # noqa: N803
-    decay_rate: torch.Tensor | None = None,
+    a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor  # noqa: N803
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """a, b [T, HV] (the in_proj_a / in_proj_b outputs), A_log, dt_bias [HV], all in the model dtype; ``decay_rate``:
-    -exp(A_log) in the compute dtype, if the caller keeps it. Returns (g, beta), each a contiguous [T, HV] in the
-    compute dtype."""
+    """a, b [T, HV] (the in_proj_a / in_proj_b outputs), A_log, dt_bias [HV], all in the model dtype.
+    Returns (g, beta), each a contiguous [T, HV] in the compute dtype."""
     cdt = compute_dtype(a.dtype)
     beta = as_dtype(b.sigmoid(), cdt)
-    decay_rate = -as_dtype(A_log, cdt).exp() if decay_rate is None else decay_rate
-    g = decay_rate * F.softplus(as_dtype(a, cdt) + as_dtype(dt_bias, cdt))
+    g = -as_dtype(A_log, cdt).exp() * F.softplus(as_dtype(a, cdt) + as_dtype(dt_bias, cdt))
     return g.contiguous(), beta.contiguous()
 
 

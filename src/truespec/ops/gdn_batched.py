@@ -22,7 +22,7 @@ import torch
 from truespec.ops.activation import get_activation
 from truespec.ops.gdn import l2norm
 from truespec.ops.precision import as_dtype, compute_dtype
-from truespec.ops.state_slots import SlotGather, StateSlots, long_tensor
+from truespec.ops.state_slots import SlotGather, StateSlots
 
 
 @dataclass(frozen=True)
@@ -60,17 +60,17 @@ class StepRows:
         for t in range(max_len):
             pairs = [(i, s) for i in range(num_active[t]) if (s := slots.kept_slot(order[i], t)) is not None]
             positions = [i for i, _ in pairs]
-            at = slice(0, len(pairs)) if positions == list(range(len(pairs))) else long_tensor(positions)
-            kept.append((at, long_tensor([s for _, s in pairs])) if pairs else None)
+            at = slice(0, len(pairs)) if positions == list(range(len(pairs))) else torch.tensor(positions)
+            kept.append((at, torch.tensor([s for _, s in pairs])) if pairs else None)
             for i, s in pairs:
                 window_rows.append([row(order[i], t - width + 1 + j) for j in range(width)])
                 window_slots.append(s)
         src = [slots.state_src[r] for r in order]
         return cls(num_tokens, SlotGather.of(src), SlotGather.of(slots.state_src),
-                   long_tensor(time_major), time_major == list(range(num_tokens)), num_active,
-                   kept, long_tensor(taps).view(-1, kernel_size),
-                   (long_tensor(window_rows).view(-1, width),
-                    long_tensor(window_slots)), _in_place(src, kept))  # fmt: skip
+                   torch.tensor(time_major, dtype=torch.long), time_major == list(range(num_tokens)), num_active,
+                   kept, torch.tensor(taps, dtype=torch.long).view(-1, kernel_size),
+                   (torch.tensor(window_rows, dtype=torch.long).view(-1, width),
+                    torch.tensor(window_slots, dtype=torch.long)), _in_place(src, kept))  # fmt: skip
 
 
 def _in_place(src: list[int], kept: list[tuple[torch.Tensor | slice, torch.Tensor] | None]) -> slice | None:
@@ -83,26 +83,22 @@ def _in_place(src: list[int], kept: list[tuple[torch.Tensor | slice, torch.Tenso
     return slice(src[0], src[0] + len(src)) if is_own else None
 
 
-def conv_tap_weights(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The conv weight [C, K] (or [C, 1, K]) as the batched conv reads it: [K, C] contiguous in ``dtype`` (a strided
-    operand made the taps' multiply 3x slower). A layer keeps it (layers/derived_weights.py)."""
-    return as_dtype(weight.reshape(weight.shape[0], -1), dtype).t().contiguous()
-
-
 def causal_conv1d_batched(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor, slots: StateSlots,
-                          rows: StepRows, activation: str | None = "silu",
-                          weight_t: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
-    """``causal_conv1d_ref``'s result and conv-window updates for x [T, C], weight [C, K] (or [C, 1, K]);
-    ``weight_t``: ``conv_tap_weights(weight, compute dtype)``, if the caller keeps it."""
+                          rows: StepRows, activation: str | None = "silu") -> torch.Tensor:  # fmt: skip
+    """``causal_conv1d_ref``'s result and conv-window updates for x [T, C], weight [C, K] (or [C, 1, K])."""
     channels, n = x.shape[1], rows.num_tokens
-    cdt = compute_dtype(x.dtype)  # taps summed in fp32 for 16-bit models (as conv1d does), rounded once
-    weight_t = conv_tap_weights(weight, cdt) if weight_t is None else weight_t  # [K, C]
-    if rows.in_place is not None and n == x.shape[0]:
-        return _conv_in_place(x, weight_t, conv_state[rows.in_place], activation)
+    weight = weight.reshape(channels, -1)
     windows = rows.windows(conv_state)  # [R, C, K-1], read before any slot is written
     inputs = torch.cat([x[:n], windows.transpose(1, 2).reshape(-1, channels)])
-    taps = as_dtype(inputs, cdt).index_select(0, rows.taps.flatten()).view(n, weight_t.shape[0], channels)  # [n,K,C]
-    y = _tap_sum((taps * weight_t).unbind(1), x.dtype, activation)  # w_j x_j of tap j, oldest first
+    cdt = compute_dtype(x.dtype)  # taps summed in fp32 for 16-bit models (as conv1d does), rounded once
+    inputs_c, weight_c = as_dtype(inputs, cdt), as_dtype(weight, cdt)
+    taps = inputs_c.index_select(0, rows.taps.flatten()).view(n, weight.shape[1], channels)  # [n, K, C]
+    products = (taps * weight_c.t().contiguous()).unbind(1)  # K x [n, C]: w_j x_j of tap j, oldest first
+    y = products[0]
+    for p in products[1:]:  # w_0 x_0 + w_1 x_1 + ..., left to right
+        y = y + p
+    y = as_dtype(y, x.dtype)
+    y = get_activation(activation)(y) if activation else y
     window_rows, window_slots = rows.kept_windows
     if window_slots.numel():
         kept_windows = inputs.index_select(0, window_rows.flatten()).view(*window_rows.shape, channels)
@@ -114,106 +110,44 @@ def causal_conv1d_batched(x: torch.Tensor, weight: torch.Tensor, conv_state: tor
     return out
 
 
-def _conv_in_place(x: torch.Tensor, weight_t: torch.Tensor, windows: torch.Tensor,
-                   activation: str | None) -> torch.Tensor:  # fmt: skip
-    """A plain decode batch (``StepRows.in_place``): token i's taps are its own slot's window ``windows[i]`` [C, K-1]
-    (a view of conv_state) and x[i]; the same products and sum as the gathered taps, and the window moved on by one
-    input where it is."""
-    cdt = weight_t.dtype
-    products = (as_dtype(windows, cdt) * weight_t[:-1].t()).unbind(-1)  # K-1 x [R, C]
-    y = _tap_sum((*products, as_dtype(x, cdt) * weight_t[-1]), x.dtype, activation)
-    windows.copy_(torch.cat([windows[..., 1:], x[:, :, None]], dim=-1))
-    return y
-
-
-def _tap_sum(products: tuple[torch.Tensor, ...], dtype: torch.dtype, activation: str | None) -> torch.Tensor:
-    """w_0 x_0 + w_1 x_1 + ..., left to right, rounded once to ``dtype``, then the activation."""
-    y = products[0]
-    for p in products[1:]:
-        y = y + p
-    y = as_dtype(y, dtype)
-    return get_activation(activation)(y) if activation else y
-
-
 def gdn_recurrent_batched(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                           ssm_state: torch.Tensor, rows: StepRows, scale: float | None = None,
                           use_qk_l2norm: bool = True) -> torch.Tensor:  # fmt: skip
     """``gdn_recurrent_ref``'s result and state updates (q, k [T, HK, DK], v [T, HV, DV], g, beta [T, HV] in the
     compute dtype), every request of the step in each token step."""
-    cdt, n = ssm_state.dtype, rows.num_tokens
-    (num_k_heads, head_k_dim), (num_v_heads, head_v_dim) = q.shape[1:], v.shape[1:]
-    scale = head_k_dim**-0.5 if scale is None else scale
-    qc, kc = as_dtype(_first(q, n), cdt), as_dtype(_first(k, n), cdt)
+    cdt, repeat, n = ssm_state.dtype, v.shape[1] // q.shape[1], rows.num_tokens
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    qc, kc = as_dtype(q[:n], cdt), as_dtype(k[:n], cdt)
     if use_qk_l2norm:
-        qc, kc = _l2norm_pair(qc, kc)
-    qc = qc * scale
-    vc, decay, bc = as_dtype(_first(v, n), cdt), _first(g, n).exp(), _first(beta, n)
+        qc, kc = l2norm(qc), l2norm(kc)
+    qc = (qc * scale).repeat_interleave(repeat, dim=1)  # [n, HV, DK]
+    kc = kc.repeat_interleave(repeat, dim=1)
+    vc, decay, bc = as_dtype(v[:n], cdt), g[:n].exp(), beta[:n]
     tm = rows.time_major
     if not rows.is_token_order:  # time-major: step t's rows are consecutive
         qc, kc, vc, decay, bc = (x.index_select(0, tm) for x in (qc, kc, vc, decay, bc))
     # [R, HV, DK, DV] in ``order``: the slots themselves, or a copy of them (every source read before any write)
     states = ssm_state[rows.in_place] if rows.in_place is not None else rows.src(ssm_state)
-    # value head h * G + i reads key head h: states viewed [R, HK, G, DK, DV] take q and k broadcast over i (the
-    # products repeat_interleave's copies gave, without the copies); the views made once, sliced per token step
-    heads = (num_k_heads, num_v_heads // num_k_heads)
-    states = states.view(-1, *heads, head_k_dim, head_v_dim)
-    qc, kc = qc.reshape(-1, num_k_heads, 1, head_k_dim, 1), kc.reshape(-1, num_k_heads, 1, head_k_dim, 1)
-    decay, bc, vc = decay.view(-1, *heads, 1, 1), bc.view(-1, *heads, 1), vc.view(-1, *heads, head_v_dim)
-    if rows.in_place is not None:  # a plain decode batch: one token step, every state kept where it is
-        res = _delta_rule_step(states, decay, kc, vc, bc, qc)
-    else:
-        res = _token_steps(states, decay, kc, vc, bc, qc, ssm_state, rows)
-    if res is None:
-        return torch.zeros(*v.shape, dtype=v.dtype, device=v.device)
-    res = as_dtype(res.view(-1, num_v_heads, head_v_dim), v.dtype)  # [n, HV, DV], time-major
-    if rows.is_token_order and n == v.shape[0]:
-        return res
-    out = torch.zeros(*v.shape, dtype=v.dtype, device=v.device)
-    return out.index_copy_(0, tm, res)
-
-
-def _first(x: torch.Tensor, n: int) -> torch.Tensor:
-    """Rows 0 .. n - 1 of x (x itself when that is all of it: no slice to dispatch)."""
-    return x if x.shape[0] == n else x[:n]
-
-
-def _l2norm_pair(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(l2norm(q), l2norm(k)) for q, k [n, HK, DK]. Where k's heads follow q's in one tensor (the layer's [q | k | v]
-    conv output), both are normed as one [n, 2 HK, DK] view: each head's sum is the same DK contiguous values in the
-    same order, so the bits are those of two calls, with one set of ops instead of two."""
-    n, num_heads, head_dim = q.shape
-    is_pair = (q.stride() == k.stride() and q.stride()[1:] == (head_dim, 1) and q.dtype == k.dtype
-               and k.data_ptr() == q.data_ptr() + num_heads * head_dim * q.element_size())
-    if not is_pair:
-        return l2norm(q), l2norm(k)
-    qk = l2norm(q.as_strided((n, 2 * num_heads, head_dim), (q.stride(0), head_dim, 1)))
-    return qk[:, :num_heads], qk[:, num_heads:]
-
-
-def _token_steps(states: torch.Tensor, decay: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor,
-                 q: torch.Tensor, ssm_state: torch.Tensor, rows: StepRows) -> torch.Tensor | None:  # fmt: skip
-    """Step t updates the states of the requests still running (``rows.num_active[t]``) and keeps the states due;
-    the outputs, time-major ([n, HK, G, DV]; None for a step of no tokens)."""
+    # broadcast views made once, sliced per token step: decay [n, HV, 1, 1], q, k [n, HV, DK, 1], beta [n, HV, 1]
+    decay, qc, kc, bc = decay[..., None, None], qc.unsqueeze(-1), kc.unsqueeze(-1), bc.unsqueeze(-1)
     outs, start = [], 0
     for t, num in enumerate(rows.num_active):
         s, now = states[:num], slice(start, start + num)
         start += num
-        outs.append(_delta_rule_step(s, decay[now], k[now], v[now], beta[now], q[now]))
+        s.mul_(decay[now])
+        k_now = kc[now]
+        kv_mem = (s * k_now).sum(dim=-2)  # k^T S: [num, HV, DV]
+        delta = (vc[now] - kv_mem) * bc[now]
+        s.add_(k_now * delta.unsqueeze(2))
+        outs.append((s * qc[now]).sum(dim=-2))  # q^T S
         if rows.kept[t] is not None and rows.in_place is None:
             positions, dst = rows.kept[t]
-            kept = states[positions] if isinstance(positions, slice) else states.index_select(0, positions)
-            ssm_state.index_copy_(0, dst, kept.flatten(1, 2))
+            ssm_state.index_copy_(0, dst, states[positions] if isinstance(positions, slice)
+                                  else states.index_select(0, positions))  # fmt: skip
     if not outs:
-        return None
-    return torch.cat(outs) if len(outs) > 1 else outs[0]
-
-
-def _delta_rule_step(s: torch.Tensor, decay: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor,
-                     q: torch.Tensor) -> torch.Tensor:  # fmt: skip
-    """One token of every running request, ``s`` [num, HK, G, DK, DV] updated in place: S = exp(g) S;
-    S = S + k (beta (v - k^T S))^T; returns q^T S [num, HK, G, DV]."""
-    s.mul_(decay)
-    kv_mem = (s * k).sum(dim=-2)  # k^T S
-    delta = (v - kv_mem) * beta
-    s.add_(k * delta.unsqueeze(-2))
-    return (s * q).sum(dim=-2)  # q^T S
+        return torch.zeros(*v.shape, dtype=v.dtype, device=v.device)
+    res = as_dtype(torch.cat(outs) if len(outs) > 1 else outs[0], v.dtype)  # [n, HV, DV], time-major
+    if rows.is_token_order and n == v.shape[0]:
+        return res
+    out = torch.zeros(*v.shape, dtype=v.dtype, device=v.device)
+    return out.index_copy_(0, tm, res)

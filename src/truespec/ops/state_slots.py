@@ -10,7 +10,6 @@ references (conv windows, recurrent states) and the chunked prefill path all rea
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 
@@ -69,8 +68,8 @@ class SlotGather:
     def of(cls, src: list[int]) -> "SlotGather":
         if not any(s >= 0 for s in src):
             return cls(None, None, len(src))
-        is_zero = torch.from_numpy(np.array([s < 0 for s in src], dtype=bool)) if min(src) < 0 else None
-        return cls(long_tensor([max(s, 0) for s in src]), is_zero, len(src))
+        is_zero = torch.tensor([s < 0 for s in src]) if min(src) < 0 else None
+        return cls(torch.tensor([max(s, 0) for s in src], dtype=torch.long), is_zero, len(src))
 
     def __call__(self, states: torch.Tensor) -> torch.Tensor:
         """[R, ...]: a copy of each row's slot of ``states``, zeros for slot -1."""
@@ -80,9 +79,3 @@ class SlotGather:
         if self.is_zero is not None:
             gathered[self.is_zero.to(states.device)] = 0
         return gathered
-
-
-def long_tensor(values: list) -> torch.Tensor:
-    """An int64 tensor of a (nested) list of ints on the host: numpy converts a list several times faster than
-    ``torch.tensor`` (these index tensors are built every step)."""
-    return torch.from_numpy(np.array(values, dtype=np.int64))
