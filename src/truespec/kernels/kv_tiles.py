@@ -137,7 +137,7 @@ def tile_scores(q, q_lo, q_rows, q_row_mask, head_ptr, slot_off, d, n_mask, kv_m
         # caller's key mask), and q is 0 on padded dims
         c = centroid_values(codes, centroids_ptr, KEY_BITS)  # [BLOCK_N, HEAD_DIM_PAD]
         s = lloyd_max_products(q, q_lo, c, None, ACC_DTYPE, DOT_DTYPE, UPCAST)
-        s = s * key_scales(head_ptr + slot_off, n_mask, KEY_CODE_BYTES, FP16_ALIGNED, ACC_DTYPE)[None, :]
+        s = s * key_scales(slot_ptr, n_mask, KEY_CODE_BYTES, FP16_ALIGNED, ACC_DTYPE)[None, :]
     return s
 
 

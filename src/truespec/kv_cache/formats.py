@@ -81,9 +81,8 @@ class KVFormat:
     # ---- one slot's bytes (the torch reference of the store and the read; formats other than auto) ------------
     def encode(self, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """k, v [T, H, D] -> uint8 [T, H, bytes_per_token]: each (token, head)'s key part, then its value part."""
-        return torch.cat([_encode(self.key_encoding, self.key_bits, k, is_key=True,
-                                  norm_correction=self.norm_correction),
-                          _encode(self.value_encoding, self.value_bits, v, is_key=False)], dim=-1)
+        return torch.cat([_encode(self.key_encoding, self.key_bits, k, norm_correction=self.norm_correction),
+                          _encode(self.value_encoding, self.value_bits, v)], dim=-1)
 
     def decode(self, slots: torch.Tensor, head_dim: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """uint8 [S, H, bytes_per_token] -> k, v [S, H, D] in ``dtype`` (keys back in the original basis)."""
@@ -146,9 +145,9 @@ def compressed_layers(layer_types_or_count: Sequence[str] | int, is_hybrid: bool
     return tuple(attention[skip_first:max(0, len(attention) - skip_last)])
 
 
-def _encode(encoding: str, bits: int | None, x: torch.Tensor, is_key: bool, norm_correction: bool = False
-            ) -> torch.Tensor:  # fmt: skip
-    """x [T, H, D] -> uint8 [T, H, vector bytes] (fp16 fields little-endian, as the device stores them)."""
+def _encode(encoding: str, bits: int | None, x: torch.Tensor, *, norm_correction: bool = False) -> torch.Tensor:
+    """x [T, H, D] -> uint8 [T, H, vector bytes] (fp16 fields little-endian, as the device stores them);
+    ``norm_correction``: Lloyd-Max keys' (their scale is ||k|| / ||c||)."""
     if encoding == FP8:
         return fp8_store(x).view(torch.uint8)
     if encoding == LLOYD_MAX:
