@@ -12,6 +12,7 @@ switch's cost; ``--peak`` aligns queries with the early keys (tests/helpers/atte
 so that tiles are skipped.
 
     python3 benchmarks/packed_attention_speed.py [--keys 512 2048 8192] [--query-len 1 4] [--max-splits 16 64 128]
+        [--num-warps 4 8]
         [--old path.py] [--old-src other_checkout/src] [--peak 64]
 """
 
@@ -71,9 +72,11 @@ def import_src_tree(src: str) -> tuple[object, object]:
 
 
 def kernels(num_keys: int, query_len: int, peak: float, old: object | None, old_src: tuple | None,
-            gen: torch.Generator, cap: int) -> tuple[dict[str, Callable[[float | None], torch.Tensor]], dict[str, int]]:
+            gen: torch.Generator, cap: int, warps: int | None = None
+            ) -> tuple[dict[str, Callable[[float | None], torch.Tensor]], dict[str, int]]:
     """Each cache's attention call of one batch at split cap ``cap``, by name, as a function of the sparse-V
-    threshold, and the bytes of K/V each must read. ``old_src``'s kernels follow ours, named ``<ours> (old)``."""
+    threshold, and the bytes of K/V each must read; ``warps`` (None: each format's own) for the packed kernels.
+    ``old_src``'s kernels follow ours, named ``<ours> (old)``."""
     q, k, v, qsl, seq_lens, tables = (x.to("cuda") for x in batch(num_keys, query_len, peak, gen))
     q, meta, scale = q.to(torch.bfloat16), (qsl, seq_lens, tables), D**-0.5
     model_cache = torch.stack([k, v]).view(2, -1, BLOCK, HKV, D).to(torch.bfloat16)
@@ -91,7 +94,7 @@ def kernels(num_keys: int, query_len: int, peak: float, old: object | None, old_
         fmt = FORMATS[name]
         cache = fmt.encode(k, v).view(-1, BLOCK, HKV, fmt.bytes_per_token(D))
         runs[name] = lambda t, c=cache, f=fmt: paged_attention_packed(q, c, *meta, scale, f, D, sparse_v_threshold=t,
-                                                                      max_splits=cap)  # fmt: skip
+                                                                      max_splits=cap, num_warps=warps)  # fmt: skip
         nbytes[name] = num_keys * HKV * fmt.bytes_per_token(D)
         if old_src is not None:
             runs[f"{name} (old)"] = lambda t, c=cache, f=fmt: old_src[1].paged_attention_packed(
@@ -108,6 +111,8 @@ def main() -> None:
     parser.add_argument("--old", help="an earlier kernels/paged_attention.py to compare with (bitwise and speed)")
     parser.add_argument("--old-src", help="another checkout's src directory: its kernels beside ours (bitwise, speed)")
     parser.add_argument("--peak", type=float, default=0.0)
+    parser.add_argument("--num-warps", type=int, nargs="+", default=[None],
+                        help="the packed kernels' warps to time (default: each format's own)")
     args = parser.parse_args()
     old = None
     if args.old:
@@ -117,10 +122,11 @@ def main() -> None:
     old_src = import_src_tree(args.old_src) if args.old_src else None
     gen = torch.Generator().manual_seed(0)
     print(f"{torch.cuda.get_device_name()}  bf16 q, {HQ} q / {HKV} kv heads of {D}, us per call (graph replay)")
-    print(f"{'cache':26s} {'keys':>5s} {'q':>2s} {'cap':>3s} {'off':>8s} {'thr 0':>8s} {'thr 1e-3':>8s} "
+    print(f"{'cache':26s} {'keys':>5s} {'q':>2s} {'cap':>3s} {'w':>2s} {'off':>8s} {'thr 0':>8s} {'thr 1e-3':>8s} "
           f"{'GB/s off':>8s} {'x bf16':>6s}  {'skip changes out':>16s}")  # fmt: skip
-    for num_keys, query_len, cap in itertools.product(args.keys, args.query_len, args.max_splits):
-        runs, nbytes = kernels(num_keys, query_len, args.peak, old, old_src, gen, cap)
+    for num_keys, query_len, cap, warps in itertools.product(args.keys, args.query_len, args.max_splits,
+                                                             args.num_warps):
+        runs, nbytes = kernels(num_keys, query_len, args.peak, old, old_src, gen, cap, warps)
         reference = runs["bf16 (model dtype)"](None)
         bf16_us, ours = None, {}
         for name, run in runs.items():
@@ -137,8 +143,9 @@ def main() -> None:
             assert torch.equal(outs[0], outs[1]), f"{name}: threshold 0 differs from off"
             changed = (outs[2].float() - outs[0].float()).abs().max().item()
             bf16_us = bf16_us or times[0]
-            print(f"{name:26s} {num_keys:5d} {query_len:2d} {cap:3d} {times[0]:8.1f} {times[1]:8.1f} {times[2]:8.1f} "
-                  f"{nbytes[name] / times[0] / 1e3:8.0f} {bf16_us / times[0]:6.2f}  {changed:16.2e}")  # fmt: skip
+            print(f"{name:26s} {num_keys:5d} {query_len:2d} {cap:3d} {warps or 0:2d} {times[0]:8.1f} {times[1]:8.1f} "
+                  f"{times[2]:8.1f} {nbytes[name] / times[0] / 1e3:8.0f} {bf16_us / times[0]:6.2f}  "
+                  f"{changed:16.2e}")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -9,9 +9,10 @@ The encoding of keys and of values is a compile-time constant, so each cache dty
   before the packed formats shared this loop.
 - ``FP8`` keys / values: HEAD_DIM float8_e4m3fn bytes, widened exactly (scale 1.0, as the reference).
 - ``LLOYD_MAX`` keys (``turboquant_*_nc``): the wrapper rotates q once (q @ H); the tile's codes are unpacked from
-  the little-endian bit stream (kernels/packed_codes.py ``tile_codes``), each code's centroid picked from the
-  table's entries held as scalars (``centroid_values``), and the score is ``<q_rot, c> * scale``, the key's stored
-  scale (||k|| / ||c||: the norm correction, applied when the key was stored): keys are never rotated back.
+  the little-endian bit stream (kernels/packed_codes.py ``tile_codes``), each code's centroid looked up
+  (kernels/code_operands.py: byte permutes on the GPU, a select tree elsewhere), and the score is
+  ``<q_rot, c> * scale``, the key's stored scale (||k|| / ||c||: the norm correction, applied when the key was
+  stored): keys are never rotated back.
 - ``UNIFORM`` values: codes unpacked the same way, ``v = code * scale + zero`` (fp16 scale / zero).
 
 ``KEY_DIM_CHUNK`` (compile-time, Lloyd-Max keys only; paged_attention_packed.py ``key_dim_chunk``): the default,
@@ -37,6 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
+from truespec.kernels.code_operands import centroid_operands, centroid_values, code_floats, value_code_operands
 from truespec.kernels.packed_codes import load_fp8, load_fp16, tile_codes
 from truespec.kernels.triton_utils import mma, reduce_max, reduce_sum
 
@@ -135,7 +137,7 @@ def tile_scores(q, q_lo, q_rows, q_row_mask, head_ptr, slot_off, d, n_mask, kv_m
         codes = tile_codes(slot_ptr, n_mask, d, kv_mask, KEY_BITS, KEY_CODE_BYTES, HEAD_DIM)
         # masked keys and padded dims read code 0 (a nonzero centroid): their score is replaced by -inf (the
         # caller's key mask), and q is 0 on padded dims
-        c = centroid_values(codes, centroids_ptr, KEY_BITS)  # [BLOCK_N, HEAD_DIM_PAD]
+        c = lloyd_max_centroids(codes, centroids_ptr, KEY_BITS, ACC_DTYPE, DOT_DTYPE)  # [BLOCK_N, HEAD_DIM_PAD]
         s = lloyd_max_products(q, q_lo, c, None, ACC_DTYPE, DOT_DTYPE, UPCAST)
         s = s * key_scales(slot_ptr, n_mask, KEY_CODE_BYTES, FP16_ALIGNED, ACC_DTYPE)[None, :]
     return s
@@ -149,38 +151,23 @@ def key_scales(slot_ptr, n_mask, KEY_CODE_BYTES: tl.constexpr, FP16_ALIGNED: tl.
 
 
 @triton.jit
-def centroid_values(codes, centroids_ptr, BITS: tl.constexpr):
-    """The centroid of each code (int32, any shape) from the 2^BITS-entry table at ``centroids_ptr`` (BITS 3 or 4):
-    the entries are loaded as scalars and picked by a tree of selects on the code's bits. Gathering each element's
-    centroid from memory instead was the Lloyd-Max keys' main cost (3x slower on an H200, BENCHMARKS.md
-    session 13)."""
-    tl.static_assert((BITS == 3) | (BITS == 4), "Lloyd-Max keys have 3- or 4-bit codes")
-    lower = select8(codes, centroids_ptr)
-    if BITS == 4:
-        return tl.where((codes & 8) != 0, select8(codes, centroids_ptr + 8), lower)
-    return lower
-
-
-@triton.jit
-def select8(codes, table_ptr):
-    """table[codes & 7] for the 8 entries at ``table_ptr``: three levels of selects on bits 0, 1, 2."""
-    b0, b1, b2 = (codes & 1) != 0, (codes & 2) != 0, (codes & 4) != 0
-    t0, t1, t2, t3 = tl.load(table_ptr), tl.load(table_ptr + 1), tl.load(table_ptr + 2), tl.load(table_ptr + 3)
-    t4, t5, t6, t7 = tl.load(table_ptr + 4), tl.load(table_ptr + 5), tl.load(table_ptr + 6), tl.load(table_ptr + 7)
-    low = tl.where(b1, tl.where(b0, t3, t2), tl.where(b0, t1, t0))
-    high = tl.where(b1, tl.where(b0, t7, t6), tl.where(b0, t5, t4))
-    return tl.where(b2, high, low)
+def lloyd_max_centroids(codes, centroids_ptr, BITS: tl.constexpr, ACC_DTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """The centroids of ``codes`` as ``lloyd_max_products`` multiplies them: 16-bit tensor-core operands
+    (kernels/code_operands.py ``centroid_operands``) when DOT_DTYPE is 16-bit, else in the accumulator dtype."""
+    if DOT_DTYPE == ACC_DTYPE:
+        return centroid_values(codes, centroids_ptr, BITS)
+    return centroid_operands(codes, centroids_ptr, BITS, DOT_DTYPE)
 
 
 @triton.jit
 def lloyd_max_products(q, q_lo, c, acc, ACC_DTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr, UPCAST: tl.constexpr):
-    """``acc`` (None: 0) + q_rot @ c^T for centroids c [BLOCK_N, dims] in the accumulator dtype. On the tensor cores
+    """``acc`` (None: 0) + q_rot @ c^T for centroids c [BLOCK_N, dims] (``lloyd_max_centroids``). On the tensor cores
     c is an exact 16-bit operand (the codebook's values are bf16 numbers, ops/lloyd_max.py) and q_rot its two 16-bit
     halves q + q_lo (``split_hi_lo``): two MMAs; without tensor cores q is q_rot (q_lo unused) and one product in the
     accumulator dtype."""
     if DOT_DTYPE == ACC_DTYPE:
         return mma(q, tl.trans(c), False, acc)
-    c16 = tl.trans(c.to(DOT_DTYPE))
+    c16 = tl.trans(c)
     return mma(q_lo, c16, UPCAST, mma(q, c16, UPCAST, acc))
 
 
@@ -217,8 +204,8 @@ def lloyd_max_chunk(s, dim_start, q_rows, q_row_mask, slot_ptr, n_mask, centroid
     q, q_lo = tile_queries(q, ENC_LLOYD_MAX, ACC_DTYPE, DOT_DTYPE)
     kv_mask = n_mask[:, None] & (d[None, :] < HEAD_DIM)
     codes = tile_codes(slot_ptr, n_mask, d, kv_mask, KEY_BITS, KEY_CODE_BYTES, HEAD_DIM, dim_start)
-    return lloyd_max_products(q, q_lo, centroid_values(codes, centroids_ptr, KEY_BITS), s, ACC_DTYPE, DOT_DTYPE,
-                              UPCAST)  # fmt: skip
+    return lloyd_max_products(q, q_lo, lloyd_max_centroids(codes, centroids_ptr, KEY_BITS, ACC_DTYPE, DOT_DTYPE), s,
+                              ACC_DTYPE, DOT_DTYPE, UPCAST)  # fmt: skip
 
 
 @triton.jit
@@ -239,19 +226,12 @@ def tile_pv(p, value_ptr, slot_off, d, n_mask, kv_mask, VALUE_ENC: tl.constexpr,
         return mma(p.to(DOT_DTYPE), v, UPCAST)
     else:
         slot_ptr = value_ptr + slot_off  # [BLOCK_N]
-        codes = code_floats(tile_codes(slot_ptr, n_mask, d, kv_mask, VALUE_BITS, VALUE_CODE_BYTES, HEAD_DIM))
+        codes = tile_codes(slot_ptr, n_mask, d, kv_mask, VALUE_BITS, VALUE_CODE_BYTES, HEAD_DIM)
         v_scale = load_fp16(slot_ptr + VALUE_CODE_BYTES, n_mask, FP16_ALIGNED).to(ACC_DTYPE)
         v_zero = load_fp16(slot_ptr + VALUE_CODE_BYTES + 2, n_mask, FP16_ALIGNED).to(ACC_DTYPE)
         if DOT_DTYPE == ACC_DTYPE:
-            v = codes.to(ACC_DTYPE) * v_scale[:, None] + v_zero[:, None]
+            v = code_floats(codes).to(ACC_DTYPE) * v_scale[:, None] + v_zero[:, None]
             return mma(p, tl.where(kv_mask, v, 0.0), False)
         scaled = (p * v_scale[None, :]).to(DOT_DTYPE)
-        return mma(scaled, codes.to(DOT_DTYPE), UPCAST) + reduce_sum(p * v_zero[None, :], 1)[:, None]
+        return mma(scaled, value_code_operands(codes, DOT_DTYPE), UPCAST) + reduce_sum(p * v_zero[None, :], 1)[:, None]
 
-
-@triton.jit
-def code_floats(codes):
-    """int32 codes (0 <= code < 2^23) as the fp32 numbers they are, exactly: the code's bits placed in the mantissa
-    of 2^23 (an or and a subtraction, cheaper than a conversion instruction). Codes below 2^8 (every packed code)
-    are exact in bf16 and fp16 too."""
-    return (codes | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0

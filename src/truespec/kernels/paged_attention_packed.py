@@ -50,6 +50,7 @@ from typing import Protocol
 import torch
 
 from truespec.kernels import kv_tiles
+from truespec.kernels.code_operands import lut_words
 from truespec.kernels.paged_attention import (
     BLOCK_N,
     MAX_SPLITS,
@@ -95,11 +96,13 @@ class KVFormat(Protocol):
 
 @cache
 def _centroid_table(head_dim: int, bits: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Lloyd-Max centroids [2^bits] on ``device`` (cached: no host-to-device copy once warmed up), in ``dtype``; the
-    kernels use them as exact bf16 / fp16 operands, which the codebook guarantees (checked here)."""
+    """Lloyd-Max centroids [2^bits] on ``device`` (cached: no host-to-device copy once warmed up), in ``dtype``; for
+    fp32 followed by the byte tables of kernels/code_operands.py (``lut_words``, 8 int32 as fp32 bits), from which
+    the GPU kernels look up the centroids as exact bf16 / fp16 operands (``lut_words`` checks they are exact)."""
     centroids = lloyd_max_codebook(head_dim, bits)[0]
-    for narrow in (torch.bfloat16, torch.float16):
-        assert torch.equal(centroids.to(narrow).float(), centroids), f"centroids not exact in {narrow}"
+    words = lut_words(centroids)
+    if dtype == torch.float32:
+        return torch.cat([centroids, words.view(torch.float32)]).to(device)
     return centroids.to(device=device, dtype=dtype)
 
 
