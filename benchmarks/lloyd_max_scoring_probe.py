@@ -25,6 +25,7 @@ import argparse
 import torch
 import triton
 import triton.language as tl
+from probe_timing import time_variant
 
 from truespec.kernels.kv_tiles import split_hi_lo
 from truespec.kernels.packed_codes import load_fp16, tile_codes, unpack_codes
@@ -229,18 +230,12 @@ def main() -> None:
             def call(n=name, c=codes, lk=lookup, mm=mmas, no=norm, bn=block_n, w=warps, out=out):
                 _probe_kernel[(HKV, SPLITS)](out, q, packed, bf16, table, weight, keys // SPLITS, BLOCK_N=bn,
                                             BF16=n == "bf16", CODES=c, LOOKUP=lk, MMAS=mm, NORM=no, num_warps=w)
-            try:
-                call()
-                if args.check:
-                    rows.append((block_n, warps, name, float(out.abs().sum())))
-                    continue
-                torch.cuda.synchronize()
-                us = triton.testing.do_bench_cudagraph(call, rep=50) * 1e3
-            except Exception as error:  # a variant that fails to compile is reported, not fatal
-                print(f"{name} {block_n}/{warps} failed: {type(error).__name__}: {str(error)[:160]}", flush=True)
+            us = time_variant(call, out, args.check, f"{name} {block_n}/{warps}")
+            if us is None:
                 continue
             rows.append((block_n, warps, name, us))
-            print(f"  block_n {block_n:3d} warps {warps}  {name:26s} {us:8.1f} us", flush=True)
+            if not args.check:
+                print(f"  block_n {block_n:3d} warps {warps}  {name:26s} {us:8.1f} us", flush=True)
     print("\nblock_n warps variant                          us   x bf16")
     base = {(b, w): us for b, w, n, us in rows if n == "bf16"}
     for block_n, warps, name, us in rows:

@@ -18,6 +18,7 @@ import argparse
 import torch
 import triton
 import triton.language as tl
+from probe_timing import time_variant
 
 from truespec.kernels.code_operands import code_floats, value_code_operands
 from truespec.kernels.kv_tiles import UNIFORM, tile_pv
@@ -105,18 +106,12 @@ def main() -> None:
             def call(v=variant, bn=block_n, w=warps, p=p, out=out):
                 _probe_kernel[(HKV, SPLITS)](out, p, packed, bf16, fp8, keys // SPLITS, BLOCK_N=bn, VARIANT=v,
                                              num_warps=w)  # fmt: skip
-            try:
-                call()
-                if args.check:
-                    rows.append((block_n, warps, name, float(out.abs().sum())))
-                    continue
-                torch.cuda.synchronize()
-                us = triton.testing.do_bench_cudagraph(call, rep=50) * 1e3
-            except Exception as error:  # a variant that fails to compile is reported, not fatal
-                print(f"{name} {block_n}/{warps} failed: {type(error).__name__}: {str(error)[:160]}", flush=True)
+            us = time_variant(call, out, args.check, f"{name} {block_n}/{warps}")
+            if us is None:
                 continue
             rows.append((block_n, warps, name, us))
-            print(f"  block_n {block_n:3d} warps {warps}  {name:28s} {us:8.1f} us", flush=True)
+            if not args.check:
+                print(f"  block_n {block_n:3d} warps {warps}  {name:28s} {us:8.1f} us", flush=True)
     if args.check:
         for block_n, warps, name, value in rows:
             print(f"  block_n {block_n:3d} warps {warps}  {name:28s} ran (|out| {value:.3g})")
