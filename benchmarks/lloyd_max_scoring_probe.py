@@ -20,12 +20,10 @@ per call; the last table lists every variant at each (block_n, warps).
     python3 benchmarks/lloyd_max_scoring_probe.py [--keys 32768]
 """
 
-import argparse
-
 import torch
 import triton
 import triton.language as tl
-from probe_timing import time_variant
+from probe_timing import probe_args, time_variant
 
 from truespec.kernels.kv_tiles import split_hi_lo
 from truespec.kernels.packed_codes import load_fp16, tile_codes, unpack_codes
@@ -205,11 +203,7 @@ def poly_coefficients(head_dim: int = D) -> torch.Tensor:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--keys", type=int, default=32768)
-    parser.add_argument("--check", action="store_true", help="run each variant once (TRITON_INTERPRET=1 on CPU)")
-    args = parser.parse_args()
-    dev = "cpu" if args.check else "cuda"
+    args, dev = probe_args(__doc__)
     gen = torch.Generator().manual_seed(0)
     keys = args.keys
     q = torch.randn(HKV, GROUP_PAD, D, generator=gen).to(dev) * 0.06

@@ -1,5 +1,6 @@
 """What the kernel probes (lloyd_max_scoring_probe.py, uniform_values_probe.py) share: run one variant, time it."""
 
+import argparse
 from collections.abc import Callable
 
 import torch
@@ -19,3 +20,12 @@ def time_variant(call: Callable[[], None], out: torch.Tensor, check: bool, label
     except Exception as error:
         print(f"{label} failed: {type(error).__name__}: {str(error)[:160]}", flush=True)
         return None
+
+
+def probe_args(doc: str) -> tuple[argparse.Namespace, str]:
+    """(the probe's ``--keys`` / ``--check`` arguments, its device: cpu under ``--check``, else cuda)."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--keys", type=int, default=32768)
+    parser.add_argument("--check", action="store_true", help="run each variant once (TRITON_INTERPRET=1 on CPU)")
+    args = parser.parse_args()
+    return args, "cpu" if args.check else "cuda"

@@ -13,12 +13,10 @@ accumulator, so nothing is dead code. Time: ``do_bench_cudagraph``, us per call.
     python3 benchmarks/uniform_values_probe.py [--keys 32768] [--check]
 """
 
-import argparse
-
 import torch
 import triton
 import triton.language as tl
-from probe_timing import time_variant
+from probe_timing import probe_args, time_variant
 
 from truespec.kernels.code_operands import code_floats, value_code_operands
 from truespec.kernels.kv_tiles import UNIFORM, tile_pv
@@ -83,11 +81,7 @@ def _probe_kernel(out_ptr, p_ptr, packed_ptr, bf16_ptr, fp8_ptr, split_size, BLO
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--keys", type=int, default=32768)
-    parser.add_argument("--check", action="store_true", help="run each variant once (TRITON_INTERPRET=1 on CPU)")
-    args = parser.parse_args()
-    dev = "cpu" if args.check else "cuda"
+    args, dev = probe_args(__doc__)
     gen = torch.Generator().manual_seed(0)
     keys = args.keys
     packed = torch.randint(0, 256, (keys, HKV, SLOT_BYTES), dtype=torch.uint8, generator=gen)
