@@ -37,11 +37,18 @@ def test_batched_attention_matches_reference_over_packed_cache() -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("context", [20, TILE + 3, 2 * TILE])
-def test_batched_attention_row_is_bitwise_same_alone_and_in_batches(dtype: torch.dtype, context: int) -> None:
-    alone, *batched = rows_alone_and_in_batches(paged_attention_batched, model_cache(dtype, 4), 4, 2, 16, 4,
+@pytest.mark.parametrize("heads", [(4, 2), (3, 1)], ids=["group2", "group3"])  # group 3: odd rows, padded pairs
+def test_batched_attention_row_is_bitwise_same_alone_and_in_batches(dtype: torch.dtype, context: int,
+                                                                    heads: tuple[int, int]) -> None:  # fmt: skip
+    alone, *batched = rows_alone_and_in_batches(paged_attention_batched, model_cache(dtype, 4), *heads, 16, 4,
                                                 context, 3, dtype, row_bytes=0)  # fmt: skip
     for out in batched:
         assert torch.equal(alone, out)
+
+
+def test_batched_attention_matches_reference_with_an_odd_query_group() -> None:
+    args = attention_batch(RAGGED, num_heads=3, num_kv_heads=1, head_dim=16, dtype=torch.float64, seed=4)
+    assert_near(paged_attention_batched(*args), paged_attention_ref(*args), torch.float64)
 
 
 def test_batched_attention_row_is_bitwise_same_alone_and_in_batches_packed() -> None:

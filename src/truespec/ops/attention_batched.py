@@ -16,6 +16,8 @@ from truespec.ops.attention import SlotDecoder
 from truespec.ops.attention_rows import TILE, GroupRows, StepAttentionRows
 from truespec.ops.precision import as_dtype, compute_dtype
 
+ROWS_PER_PRODUCT = 2  # query rows per matrix product in the tile loop (``_online_softmax``)
+
 
 def paged_attention_batched(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: torch.Tensor,
                             seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float,
@@ -59,20 +61,31 @@ def _attend_group(q: torch.Tensor, kv_cache: torch.Tensor, group: GroupRows, sca
 def _online_softmax(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, is_masked: torch.Tensor,
                     scale: float) -> torch.Tensor:  # fmt: skip
     """q [R, H_kv, M, D] over tile-major keys^T [tiles, R, H_kv, D, TILE] and values [tiles, R, H_kv, TILE, D],
-    ``is_masked`` [R, 1, M, tiles * TILE]: softmax(q k^T * scale) v, tile by tile."""
+    ``is_masked`` [R, 1, M, tiles * TILE]: softmax(q k^T * scale) v, tile by tile. Every product has exactly
+    ``ROWS_PER_PRODUCT`` query rows (M padded with a zero row when odd, the pairs folded into the batch): a BLAS
+    kernel picks its blocking, and so a row's summation order, by the rows of a product (torch 2.13 on an AMD EPYC:
+    a row of [M, D] @ [D, TILE] has one set of bits at M = 1 and 2, another at M >= 4), never by how many products
+    a batch holds. Pairs rather than single rows: a decode of 2 query heads per kv head is then one product, as
+    before, with no copy of the keys."""
+    num_rows = q.shape[-2]
+    if num_rows % ROWS_PER_PRODUCT:
+        q = torch.nn.functional.pad(q, (0, 0, 0, ROWS_PER_PRODUCT - num_rows % ROWS_PER_PRODUCT))
+        is_masked = torch.nn.functional.pad(is_masked, (0, 0, 0, q.shape[-2] - num_rows))  # the pad row: unmasked
+    paired = (*q.shape[:2], q.shape[2] // ROWS_PER_PRODUCT, ROWS_PER_PRODUCT)  # [R, H_kv, M / 2, 2]
     m = torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype)
     l = torch.zeros_like(m)
     acc = torch.zeros_like(q)
+    qp = q.view(*paired, q.shape[-1])
     for i in range(keys.shape[0]):
-        s = torch.matmul(q, keys[i]) * scale  # [R, H_kv, M, TILE]
+        s = torch.matmul(qp, keys[i].unsqueeze(2)).view(m.shape + (TILE,)) * scale  # [R, H_kv, M, TILE]
         s = s.masked_fill(is_masked[..., i * TILE : (i + 1) * TILE], float("-inf"))
         m_new = torch.maximum(m, s.amax(-1))
         alpha = torch.exp(m - m_new)
         p = torch.exp(s - m_new[..., None])
         l = l * alpha + p.sum(-1)
-        acc = acc * alpha[..., None] + torch.matmul(p, values[i])
+        acc = acc * alpha[..., None] + torch.matmul(p.view(*paired, TILE), values[i].unsqueeze(2)).view(acc.shape)
         m = m_new
-    return acc / l[..., None]
+    return (acc / l[..., None])[..., :num_rows, :]
 
 
 def _tile_major_kv(kv_cache: torch.Tensor, group: GroupRows, decode: SlotDecoder | None,
