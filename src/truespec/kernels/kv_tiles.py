@@ -45,6 +45,7 @@ from truespec.kernels.triton_utils import mma, reduce_max, reduce_sum
 MODEL, FP8, LLOYD_MAX, UNIFORM = 0, 1, 2, 3  # tile encodings (KEY_ENC / VALUE_ENC), as the host passes them
 # the same, readable inside @triton.jit code (compiled kernels may read only constexpr globals)
 ENC_MODEL, ENC_FP8, ENC_LLOYD_MAX = tl.constexpr(MODEL), tl.constexpr(FP8), tl.constexpr(LLOYD_MAX)
+ENC_UNIFORM = tl.constexpr(UNIFORM)
 
 
 class CacheTiles(NamedTuple):
@@ -211,12 +212,14 @@ def lloyd_max_chunk(s, dim_start, q_rows, q_row_mask, slot_ptr, n_mask, centroid
 @triton.jit
 def tile_pv(p, value_ptr, slot_off, d, n_mask, kv_mask, VALUE_ENC: tl.constexpr, VALUE_BITS: tl.constexpr,
             VALUE_CODE_BYTES: tl.constexpr, HEAD_DIM: tl.constexpr, FP16_ALIGNED: tl.constexpr,
-            ACC_DTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr, UPCAST: tl.constexpr):  # fmt: skip
+            ACC_DTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr, UPCAST: tl.constexpr,
+            PLANES: tl.constexpr = False):  # fmt: skip
     """p [GROUP_PAD, BLOCK_N] (accumulator dtype) @ the values [BLOCK_N, HEAD_DIM_PAD] of the tile's slots, whose
-    value parts start ``slot_off`` [BLOCK_N] past ``value_ptr``. MODEL and FP8 values: p cast to the values'
-    dtype (fp8 widened exactly to DOT_DTYPE) and one MMA. UNIFORM values ``code * scale + zero`` per slot: on the
-    tensor cores ``(p * scale) @ codes + (p . zero)`` (codes are exact in 16 bits), else decoded in the accumulator
-    dtype (masked lanes 0)."""
+    value parts start ``slot_off`` [BLOCK_N] past ``value_ptr``; with PLANES (4-bit uniform values, HEAD_DIM a power
+    of two) as [GROUP_PAD, HEAD_DIM / 2, 2], even and odd head dims (``uniform_planes_pv``). MODEL and FP8 values: p
+    cast to the values' dtype (fp8 widened exactly to DOT_DTYPE) and one MMA. UNIFORM values ``code * scale + zero``
+    per slot: on the tensor cores ``(p * scale) @ codes + (p . zero)`` (codes are exact in 16 bits), else decoded in
+    the accumulator dtype (masked lanes 0)."""
     v_ptrs = value_ptr + (slot_off[:, None] + d[None, :])
     if VALUE_ENC == ENC_MODEL:
         v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
@@ -226,12 +229,40 @@ def tile_pv(p, value_ptr, slot_off, d, n_mask, kv_mask, VALUE_ENC: tl.constexpr,
         return mma(p.to(DOT_DTYPE), v, UPCAST)
     else:
         slot_ptr = value_ptr + slot_off  # [BLOCK_N]
-        codes = tile_codes(slot_ptr, n_mask, d, kv_mask, VALUE_BITS, VALUE_CODE_BYTES, HEAD_DIM)
         v_scale = load_fp16(slot_ptr + VALUE_CODE_BYTES, n_mask, FP16_ALIGNED).to(ACC_DTYPE)
         v_zero = load_fp16(slot_ptr + VALUE_CODE_BYTES + 2, n_mask, FP16_ALIGNED).to(ACC_DTYPE)
-        if DOT_DTYPE == ACC_DTYPE:
-            v = code_floats(codes).to(ACC_DTYPE) * v_scale[:, None] + v_zero[:, None]
-            return mma(p, tl.where(kv_mask, v, 0.0), False)
-        scaled = (p * v_scale[None, :]).to(DOT_DTYPE)
-        return mma(scaled, value_code_operands(codes, DOT_DTYPE), UPCAST) + reduce_sum(p * v_zero[None, :], 1)[:, None]
+        if PLANES:
+            pv = uniform_planes_pv(p, slot_ptr, n_mask, v_scale, v_zero, d.shape[0] // 2, ACC_DTYPE, DOT_DTYPE,
+                                   UPCAST)  # fmt: skip
+        else:
+            codes = tile_codes(slot_ptr, n_mask, d, kv_mask, VALUE_BITS, VALUE_CODE_BYTES, HEAD_DIM)
+            if DOT_DTYPE == ACC_DTYPE:
+                v = code_floats(codes).to(ACC_DTYPE) * v_scale[:, None] + v_zero[:, None]
+                pv = mma(p, tl.where(kv_mask, v, 0.0), False)
+            else:
+                scaled = (p * v_scale[None, :]).to(DOT_DTYPE)
+                pv = mma(scaled, value_code_operands(codes, DOT_DTYPE), UPCAST) + reduce_sum(p * v_zero[None, :],
+                                                                                             1)[:, None]  # fmt: skip
+        return pv
 
+
+@triton.jit
+def uniform_planes_pv(p, slot_ptr, n_mask, v_scale, v_zero, HALF: tl.constexpr, ACC_DTYPE: tl.constexpr,
+                      DOT_DTYPE: tl.constexpr, UPCAST: tl.constexpr):  # fmt: skip
+    """``tile_pv`` of 4-bit uniform values as [GROUP_PAD, HALF, 2] (element (g, i, c): head dim 2 i + c): each
+    code byte [BLOCK_N, HALF] is loaded once and its low nibbles (even dims) and high nibbles (odd dims) are
+    multiplied apart, so the codes are never interleaved back into head-dim order (benchmarks/uniform_values_probe.py:
+    that interleave was ~half of the value tile). Each output element is the same sum over the tile's keys as
+    ``tile_pv``'s."""
+    byte = tl.load(slot_ptr[:, None] + tl.arange(0, HALF)[None, :], mask=n_mask[:, None], other=0)  # [BLOCK_N, HALF]
+    if DOT_DTYPE == ACC_DTYPE:
+        even = code_floats(byte & 15).to(ACC_DTYPE) * v_scale[:, None] + v_zero[:, None]
+        odd = code_floats(byte >> 4).to(ACC_DTYPE) * v_scale[:, None] + v_zero[:, None]
+        pv = tl.join(mma(p, tl.where(n_mask[:, None], even, 0.0), False),
+                     mma(p, tl.where(n_mask[:, None], odd, 0.0), False))  # fmt: skip
+    else:
+        scaled = (p * v_scale[None, :]).to(DOT_DTYPE)
+        zero = reduce_sum(p * v_zero[None, :], 1)[:, None]
+        pv = tl.join(mma(scaled, value_code_operands(byte & 15, DOT_DTYPE), UPCAST) + zero,
+                     mma(scaled, value_code_operands(byte >> 4, DOT_DTYPE), UPCAST) + zero)  # fmt: skip
+    return pv

@@ -70,6 +70,7 @@ import triton
 import triton.language as tl
 
 from truespec.kernels.kv_tiles import (
+    ENC_UNIFORM,
     MODEL,
     CacheTiles,
     online_softmax_step,
@@ -167,7 +168,13 @@ def _paged_attention_kernel(
 
     m = tl.full([GROUP_PAD], float("-inf"), ACC_DTYPE)  # running max of the scaled scores
     l = tl.full([GROUP_PAD], 0, ACC_DTYPE)  # running sum of exp(score - m)
-    acc = tl.full([GROUP_PAD, HEAD_DIM_PAD], 0, ACC_DTYPE)
+    # 4-bit uniform values at power-of-two head dims: the output as its even and odd head dims [GROUP_PAD, D / 2, 2],
+    # each a product of its own nibble plane (kv_tiles.tile_pv, PLANES): no interleave of codes per tile
+    VALUE_PLANES: tl.constexpr = (VALUE_ENC == ENC_UNIFORM) & (VALUE_BITS == 4) & (HEAD_DIM == HEAD_DIM_PAD)
+    if VALUE_PLANES:
+        acc = tl.full([GROUP_PAD, HEAD_DIM_PAD // 2, 2], 0, ACC_DTYPE)
+    else:
+        acc = tl.full([GROUP_PAD, HEAD_DIM_PAD], 0, ACC_DTYPE)
     cache_head_ptr = kv_cache_ptr + kv_head * stride_cache_head
     for tile_start in range(key_start, key_end, BLOCK_N):
         n = tile_start + tl.arange(0, BLOCK_N)
@@ -180,6 +187,7 @@ def _paged_attention_kernel(
         s = s * scale_acc  # [GROUP_PAD, BLOCK_N]
         s = tl.where(n_mask[None, :], s, float("-inf"))
         m_new, alpha, p, l = online_softmax_step(m, l, s)  # m_new finite: every tile holds a key of this split
+        alpha_rows = alpha[:, None, None] if VALUE_PLANES else alpha[:, None]  # broadcast over acc's dims
         value_ptr = cache_head_ptr + value_offset
         # acc * alpha + pv as one explicit fused multiply-add in both variants: left to the compiler, the product
         # was contracted into the add without SPARSE_V but not with it (measured on an H200: threshold 0 differed
@@ -188,26 +196,35 @@ def _paged_attention_kernel(
             # the tile's largest weight p / l over the program's query heads (the GQA padding rows excluded)
             weight = reduce_max(tl.where(g < GROUP, reduce_max(p, 1) / l, 0.0), 0)
             if (weight < threshold) & (num_keys >= sparse_v_min_keys):  # strict: threshold 0 never skips
-                acc = acc * alpha[:, None]
+                acc = acc * alpha_rows
             else:
-                acc = tl.fma(acc, alpha[:, None], tile_pv(p, value_ptr, slot_off, d, n_mask, kv_mask, VALUE_ENC,
-                                                          VALUE_BITS, VALUE_CODE_BYTES, HEAD_DIM, FP16_ALIGNED,
-                                                          ACC_DTYPE, DOT_DTYPE, UPCAST))  # fmt: skip
+                acc = tl.fma(acc, alpha_rows, tile_pv(p, value_ptr, slot_off, d, n_mask, kv_mask, VALUE_ENC,
+                                                      VALUE_BITS, VALUE_CODE_BYTES, HEAD_DIM, FP16_ALIGNED,
+                                                      ACC_DTYPE, DOT_DTYPE, UPCAST, VALUE_PLANES))  # fmt: skip
         else:
-            acc = tl.fma(acc, alpha[:, None], tile_pv(p, value_ptr, slot_off, d, n_mask, kv_mask, VALUE_ENC, VALUE_BITS,
-                                                      VALUE_CODE_BYTES, HEAD_DIM, FP16_ALIGNED, ACC_DTYPE, DOT_DTYPE,
-                                                      UPCAST))  # fmt: skip
+            acc = tl.fma(acc, alpha_rows, tile_pv(p, value_ptr, slot_off, d, n_mask, kv_mask, VALUE_ENC, VALUE_BITS,
+                                                  VALUE_CODE_BYTES, HEAD_DIM, FP16_ALIGNED, ACC_DTYPE, DOT_DTYPE,
+                                                  UPCAST, VALUE_PLANES))  # fmt: skip
         m = m_new
 
+    if VALUE_PLANES:  # acc's [GROUP_PAD, D / 2, 2] element (g, i, c) is head dim 2 i + c
+        dims = 2 * tl.arange(0, HEAD_DIM_PAD // 2)[None, :, None] + tl.arange(0, 2)[None, None, :]
+        rows = g[:, None, None]
+    else:
+        dims = d[None, :]
+        rows = g[:, None]
+    out_mask = (rows < GROUP) & (dims < HEAD_DIM)
     if num_splits == 1:  # the unsplit loop: normalise and write the output here
-        out = acc / tl.where(l > 0, l, 1.0)[:, None]  # padding rows: acc = 0, l = 0 -> 0
-        o_ptrs = out_ptr + token * stride_o_tok + heads[:, None] * stride_o_head + d[None, :]
-        tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=q_mask)
+        l_rows = l[:, None, None] if VALUE_PLANES else l[:, None]
+        out = acc / tl.where(l_rows > 0, l_rows, 1.0)  # padding rows: acc = 0, l = 0 -> 0
+        o_ptrs = out_ptr + token * stride_o_tok + (kv_head * GROUP + rows) * stride_o_head + dims
+        tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=out_mask)
     else:
         ws_row = (row * GROUP * tl.num_programs(1) + heads) * ws_splits + split  # [GROUP_PAD] into m / l
         tl.store(ws_m_ptr + ws_row, m, mask=g < GROUP)
         tl.store(ws_l_ptr + ws_row, l, mask=g < GROUP)
-        tl.store(ws_acc_ptr + ws_row[:, None] * HEAD_DIM + d[None, :], acc, mask=q_mask)
+        ws_rows = ((row * GROUP * tl.num_programs(1) + kv_head * GROUP + rows) * ws_splits + split) * HEAD_DIM
+        tl.store(ws_acc_ptr + ws_rows + dims, acc, mask=out_mask)
 
 
 def paged_attention(
