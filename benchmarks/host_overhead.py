@@ -3,7 +3,7 @@ constant tensors, so what is timed is scheduling, building the step's inputs, sa
 postprocessing, the part of a step a CUDA graph replay does not remove. Runs on CPU.
 
     python3 benchmarks/host_overhead.py --model DIR [--batch-sizes 1 8 32] [--steps 300] [--prompt-len 64] [--profile]
-        [--ngram K] [--async]
+        [--ngram K] [--async] [--narrow-logits] [--disable-by-batch-size N]
 
 DIR: any model directory (e.g. ``benchmarks/qwen35_shape.py --tiny``); only its tokenizer and sizes matter.
 ``--ngram K``: speculative steps, ngram with K drafts (the stubbed logits make every token 0, so after a few steps
@@ -31,8 +31,11 @@ CHUNK = 30  # steps timed together
 
 
 def host_ms_per_step(model: str, batch_size: int, steps: int, profile: bool, prompt_len: int = 64,
-                     ngram: int = 0, is_async: bool = False, narrow_logits: bool = False) -> float:
+                     ngram: int = 0, is_async: bool = False, narrow_logits: bool = False,
+                     disable_by_batch_size: int | None = None) -> float:  # fmt: skip
     spec = {"method": "ngram", "num_speculative_tokens": ngram} if ngram else None
+    if spec is not None and disable_by_batch_size is not None:
+        spec["disable_by_batch_size"] = disable_by_batch_size
     max_tokens = (10 + steps + steps // 2) * (1 + ngram) + 64  # no request finishes while timed or profiled
     llm = LLM(model, dtype="float32", max_model_len=max(4096, prompt_len + max_tokens), max_num_seqs=batch_size,
               speculative_config=spec, async_scheduling=is_async or None)
@@ -80,10 +83,13 @@ def main() -> None:
     parser.add_argument("--ngram", type=int, default=0, help="ngram speculation with this many drafts (0: none)")
     parser.add_argument("--async", dest="is_async", action="store_true", help="async scheduling (as on a GPU)")
     parser.add_argument("--narrow-logits", action="store_true", help="one-column logits: the argmax is not timed")
+    parser.add_argument("--disable-by-batch-size", type=int, default=None,
+                        help="with --ngram: no drafts while this many requests run (1: a speculative engine that never "
+                             "drafts, as the governor's 'off')")
     args = parser.parse_args()
     torch.set_num_threads(1)
     rows = [(bs, host_ms_per_step(args.model, bs, args.steps, args.profile, args.prompt_len,
-                                  args.ngram, args.is_async, args.narrow_logits))
+                                  args.ngram, args.is_async, args.narrow_logits, args.disable_by_batch_size))
             for bs in args.batch_sizes]
     print("| BS | host ms per decode step | us per request |\n|---:|---:|---:|")
     for bs, ms in rows:
