@@ -1,12 +1,12 @@
 """Where a 4-bit uniform value tile's time goes (issue 14): the ``p @ V`` half of the decode attention kernel alone,
 on the Qwen3.5-0.8B attention shape (2 kv heads of 256, 4 query heads each, padded to 16 rows), one query row over
-``--keys`` keys split 64 ways, in variants that each add one step of the engine's path (kernels/kv_tiles.py
-``tile_pv``).
+``--keys`` keys split 64 ways, in variants that each add one step of ``kernels/kv_tiles.py`` ``tile_pv``'s
+interleaved path (the engine's path until the split kernel took the planes form, ``uniform_planes_pv``).
 
 Variants (``VARIANTS``): bf16 values (one MMA, the model-dtype cache); fp8 bytes widened; 4-bit codes
 (nibble-expanded, ``tile_codes``) as numbers via ``code_floats`` or the byte permutes (``value_code_operands``),
-with no scale or zero; + the per-key fp16 scale folded into p; + the zero point's row sum (the engine's whole
-tile, ``tile_pv``); and the codes' two nibble planes multiplied apart (two MMAs into two half-width accumulators:
+with no scale or zero; + the per-key fp16 scale folded into p; + the zero point's row sum (``tile_pv``'s whole
+interleaved tile); and the codes' two nibble planes multiplied apart (two MMAs into two half-width accumulators:
 no interleave). Weights p are a fixed random tile, so only the value side differs. Each program stores its
 accumulator, so nothing is dead code. Time: ``do_bench_cudagraph``, us per call.
 
@@ -30,7 +30,7 @@ T_HKV, T_GROUP_PAD, T_D, T_SPLITS = tl.constexpr(HKV), tl.constexpr(GROUP_PAD), 
 T_CODE_BYTES, T_SLOT_BYTES, T_UNIFORM = tl.constexpr(CODE_BYTES), tl.constexpr(SLOT_BYTES), tl.constexpr(UNIFORM)
 T_BITS = tl.constexpr(4)
 VARIANTS = {"bf16": 0, "fp8": 1, "codes (code_floats)": 2, "codes (permutes)": 3, "+ scale": 4,
-            "+ zero (engine tile_pv)": 5, "nibble planes, 2 MMAs": 6}  # fmt: skip
+            "+ zero (interleaved tile_pv)": 5, "nibble planes, 2 MMAs": 6}  # fmt: skip
 
 
 @triton.jit
