@@ -1,9 +1,16 @@
 """Where a speculative step's time goes: one greedy request (or a batch), MTP / EAGLE with each step planned on the
 host after the previous one's read or queued ahead (``async_scheduling=True``), under torch.profiler; prints per
-configuration the wall time and GPU kernel time per step and the ops that took the most host (or, with
+configuration the wall time, GPU kernel time and GPU kernel count per step and the ops that took the most host (or, with
 ``--sort self_cuda_time_total``, GPU) time.
 
     python3 benchmarks/profile_spec_step.py [--batch-size 1] [--max-tokens 64] [--top 18] [--sort KEY]
+        [--max-num-seqs N]
+
+Run one configuration per process for host timings: after a first profiled run, CUDA calls of the same process
+were measured ~2x slower (cudaGraphLaunch 127 -> 293 us), so only the first configuration's wall time is clean.
+
+``--max-num-seqs`` builds the engine for N requests and lowers the scheduler's limit to the batch size, as
+spec_vs_none.py does (its graphs, drafter chain and caches are then sized for N).
 """
 
 import argparse
@@ -35,14 +42,17 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=18)
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     parser.add_argument("--sort", default="self_cpu_time_total", help="or self_cuda_time_total (GPU kernels)")
+    parser.add_argument("--max-num-seqs", type=int, default=None, help="engine size (default: the batch size)")
     args = parser.parse_args()
     rows = [json.loads(line) for line in PROMPTS.read_text().splitlines()]
     prompts = [r["prompt"] for r in rows if r["kind"] == "edit"][:args.batch_size]
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     for name in args.configs:
         spec, kwargs = CONFIGS[name]
-        llm = LLM(dtype="bfloat16", device="cuda", max_model_len=2048, max_num_seqs=args.batch_size,
-                  speculative_config=spec, enable_prefix_caching=False, **kwargs)
+        llm = LLM(dtype="bfloat16", device="cuda", max_model_len=2048,
+                  max_num_seqs=args.max_num_seqs or args.batch_size, speculative_config=spec,
+                  enable_prefix_caching=False, **kwargs)
+        llm.llm_engine.scheduler.max_num_seqs = args.batch_size  # a benchmark-only knob, as spec_vs_none.py
         llm.generate(prompts, params, use_tqdm=False)
         steps_before = llm.get_metrics().get("num_steps", 0)
         torch.cuda.synchronize()
@@ -59,7 +69,9 @@ def main() -> None:
               f"{llm.llm_engine.overlap.num_async_steps}")
         events = prof.key_averages()
         gpu_us = sum(e.self_device_time_total for e in events)
-        print(f"GPU kernel time {gpu_us / 1e3:.1f} ms ({gpu_us / 1e3 / max(steps, 1):.3f} ms / step)")
+        kernels = sum(e.count for e in events if e.self_device_time_total > 0 and e.self_cpu_time_total == 0)
+        print(f"GPU kernel time {gpu_us / 1e3:.1f} ms ({gpu_us / 1e3 / max(steps, 1):.3f} ms / step), "
+              f"{kernels / max(steps, 1):.1f} GPU ops (kernels, copies) / step")
         print(events.table(sort_by=args.sort, row_limit=args.top, max_name_column_width=48))
         del llm
         torch.cuda.empty_cache()

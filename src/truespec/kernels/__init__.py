@@ -20,7 +20,7 @@ from truespec.kernels.reshape_and_cache import reshape_and_cache
 from truespec.kernels.rms_norm import rms_norm
 from truespec.kernels.row_invariant_matmul import row_invariant_matmul
 from truespec.kernels.skinny_matmul import skinny_matmul
-from truespec.kernels.spec_step import greedy_accepted, move_positions
+from truespec.kernels.spec_step import chain_metadata, greedy_accepted, move_positions
 from truespec.kernels.step_attention import step_attention
 from truespec.ops.activation import act_mul_ref
 from truespec.ops.attention import paged_attention_ref, reshape_and_cache_ref, store_packed_ref
@@ -29,7 +29,7 @@ from truespec.ops.gdn import GateInputs, gdn_gating_ref, gdn_recurrent_ref
 from truespec.ops.linear import linear_ref
 from truespec.ops.norm import add_rms_norm_ref, rms_norm_ref
 from truespec.ops.rotary import qk_norm_rope_ref
-from truespec.ops.spec_step import greedy_accepted_ref, move_positions_ref
+from truespec.ops.spec_step import chain_metadata_ref, greedy_accepted_ref, move_positions_ref
 
 __all__ = [
     "causal_conv1d",
@@ -59,6 +59,8 @@ __all__ = [
     "row_invariant_matmul",
     "skinny_matmul",
     "linear_ref",
+    "chain_metadata",
+    "chain_metadata_ref",
     "greedy_accepted",
     "greedy_accepted_ref",
     "move_positions",

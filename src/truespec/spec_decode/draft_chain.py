@@ -10,7 +10,8 @@ work inside one captured graph, keyed by the request count padded up to a captur
 2. catch-up: the verify's own rows at its positions (the device's, already moved), each row's token the argmax
    of that row (as ``draft_on_device``); the first draft from the row of the last accepted position;
 3. draft steps j = 1 .. k - 1: one token per request at position start + accepted + j.
-All metadata is computed on the device inside the graph from five static inputs (argmax, input ids, hidden
+All metadata is computed on the device inside the graph, by one launch (``kernels.chain_metadata``; its torch
+reference ``ops.spec_step.chain_metadata_ref`` on CPU), from five static inputs (argmax, input ids, hidden
 states, start positions, block tables) and the request count; requests past it are inert (no query tokens, KV
 slot -1, context length 0). Every real row computes what the launches of ``draft_on_device`` compute (the
 projections are row invariant, attention is per row), so the drafts are the same (tests/test_gpu_spec_exactness.py).
@@ -19,7 +20,8 @@ projections are row invariant, attention is per row), so the drafts are the same
 import torch
 
 from truespec.forward_context import ForwardContext, set_forward_context
-from truespec.ops.spec_step import greedy_accepted_ref, kv_slots_on_device
+from truespec.layers.backend import kernels, use_kernels
+from truespec.ops.spec_step import ChainMetadata, chain_metadata_ref
 from truespec.spec_decode.device_drafts import DeviceDrafts
 
 MAX_CHAIN_REQUESTS = 64  # larger batches use draft_on_device's launches (their logits rows would dominate memory)
@@ -40,6 +42,10 @@ class DraftChain:
         self.query_start_loc = torch.zeros(top + 1, **long)
         self.tables = torch.full((top, width), -1, **long)
         self.num_reqs = torch.zeros((), **long)
+        self.meta = ChainMetadata.empty(top, k, device)  # computed inside the graph by one launch
+        self.no_state = torch.full((top,), -1, **long)  # constants of every forward's context
+        self.zeros = torch.zeros(top, **long)
+        self.rows = torch.arange(top * self.q, **long)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
 
     @torch.inference_mode()
@@ -83,48 +89,36 @@ class DraftChain:
 
     # ---- what the graph holds ------------------------------------------------------------------------
     def _body(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        k, num_tokens = self.k, size * self.q
-        req = torch.arange(size, device=self.argmax.device)
-        is_real = req < self.num_reqs
-        # the step's query starts, the requests past the real ones owning no row (they start at the step's end,
-        # which is below num_tokens whenever there are such requests)
-        qsl = self.query_start_loc
-        end = qsl.gather(0, self.num_reqs.view(1))  # [1]: the step's token count
-        edge = torch.arange(size + 1, device=req.device)
-        step_qsl = torch.where(edge <= self.num_reqs, qsl[:size + 1], end)
-        first, num_drafts = step_qsl[:-1], (step_qsl.diff() - 1).clamp(min=0)
-        accepted, next_token = greedy_accepted_ref(self.argmax, self.input_ids, step_qsl, k)
-        start = self.positions[first]  # the verify's first position (moved by the device when queued ahead)
-        # catch-up: the verify's own rows (request r's 1 + d_r rows from qsl[r]); rows past the last are padding
-        token = torch.arange(num_tokens, device=req.device)
-        owner = torch.searchsorted(step_qsl[1:], token, right=True).clamp(max=size - 1)
+        k, num_tokens, meta = self.k, size * self.q, self.meta
+        fill = kernels().chain_metadata if use_kernels(self.argmax) else chain_metadata_ref
+        fill(self.argmax, self.input_ids, self.positions, self.query_start_loc, self.tables, self.num_reqs, size, k,
+             self.block_size, meta)
+        # catch-up: the verify's own rows (request r's 1 + d_r rows from its query start); rows past the last are
+        # padding
         positions = self.positions[:num_tokens]
-        seq_lens = torch.where(is_real, start + num_drafts + 1, 0)
-        ctx = self._context(step_qsl, seq_lens, positions, owner, token < end, size)
+        ctx = self._context(meta.step_qsl[:size + 1], meta.seq_lens[:size], positions, meta.slots[:num_tokens], size)
         with set_forward_context(ctx):
             out = self.head(self.argmax[:num_tokens], positions, self.hidden[:num_tokens])
-        hidden = out[first + accepted]
+        hidden = out.index_select(0, meta.hidden_rows[:size])  # [S, H]: at the last accepted position
         drafts = [self._argmax(hidden)]
-        chain_qsl = torch.minimum(edge, self.num_reqs)  # draft steps: one token per request
-        for step in range(1, k):
-            positions = start + accepted + step
-            ctx = self._context(chain_qsl, torch.where(is_real, positions + 1, 0), positions, req, is_real, size)
+        for step in range(1, k):  # draft steps: one token per request
+            positions = meta.draft_positions[step - 1, :size]
+            ctx = self._context(meta.chain_qsl[:size + 1], meta.draft_seq_lens[step - 1, :size], positions,
+                                meta.draft_slots[step - 1, :size], size)
             with set_forward_context(ctx):
                 hidden = self.head(drafts[-1], positions, hidden)
             drafts.append(self._argmax(hidden))
-        return accepted, torch.stack([next_token, *drafts], dim=1)
+        return meta.accepted, torch.stack([meta.next_token[:size], *drafts], dim=1)
 
-    def _context(self, qsl: torch.Tensor, seq_lens: torch.Tensor, positions: torch.Tensor, owner: torch.Tensor,
-                 is_real: torch.Tensor, size: int) -> ForwardContext:
-        """Metadata of a chain forward: token t belongs to request ``owner[t]``; padding requests own no token."""
-        tables = self.tables[:size]
-        slots = kv_slots_on_device(tables, owner, positions, self.block_size, is_real)
-        none = torch.full((size,), -1, dtype=torch.int64, device=qsl.device)
+    def _context(self, qsl: torch.Tensor, seq_lens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                 size: int) -> ForwardContext:
+        """A chain forward's metadata: the computed per-request values and the constant ones (no state, every row
+        a logits row), all views of static buffers, so the graph holds no kernel for them."""
         num_tokens = len(positions)
         return ForwardContext(
-            query_start_loc=qsl, seq_lens=seq_lens, slot_mapping=slots, block_tables=tables, state_src=none,
-            state_dst=none, state_write_start=torch.zeros_like(none),
-            logits_indices=torch.arange(num_tokens, device=qsl.device),
+            query_start_loc=qsl, seq_lens=seq_lens, slot_mapping=slots, block_tables=self.tables[:size],
+            state_src=self.no_state[:size], state_dst=self.no_state[:size], state_write_start=self.zeros[:size],
+            logits_indices=self.rows[:num_tokens],
             query_start_loc_cpu=list(range(0, num_tokens + 1, num_tokens // size)), seq_lens_cpu=None)
 
     def _argmax(self, hidden: torch.Tensor) -> torch.Tensor:
