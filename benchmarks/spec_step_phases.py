@@ -4,10 +4,18 @@ tokens for 8 held-out edit prompts after a warm-up, and prints per configuration
 phase's total time and call count (nested phases count in their callers too: ``launch`` holds both the
 AsyncScheduler's and the runner's, ``launch_next`` the queued step's launch).
 
-    python3 benchmarks/spec_step_phases.py
+    python3 benchmarks/spec_step_phases.py [--configs "queued ahead" host-planned] [--cprofile N]
+
+``--cprofile N``: then one more run of each configuration under cProfile, its N functions with the most own time
+(``tottime``) and the N with the most time inside them (``cumtime``): the host's work per step, function by function
+(cProfile's own overhead inflates the Python-heavy parts).
 """
 
+import argparse
+import cProfile
+import io
 import json
+import pstats
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -33,11 +41,31 @@ def timed(obj: object, name: str, acc: defaultdict) -> None:
     setattr(obj, name, wrapper)
 
 
+CONFIGS = {"queued ahead": {"async_scheduling": True}, "host-planned": {"async_scheduling": False}}
+
+
+def print_cprofile(llm: LLM, prompts: list[str], params: SamplingParams, top: int) -> None:
+    profiler = cProfile.Profile()
+    profiler.enable()
+    llm.generate(prompts, params, use_tqdm=False)
+    torch.cuda.synchronize()
+    profiler.disable()
+    for key in ("tottime", "cumulative"):
+        text = io.StringIO()
+        pstats.Stats(profiler, stream=text).sort_stats(key).print_stats(top)
+        print(text.getvalue())
+
+
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    parser.add_argument("--cprofile", type=int, default=0)
+    args = parser.parse_args()
     rows = [json.loads(line) for line in PROMPTS.read_text().splitlines()]
     pool = [r["prompt"] for r in rows if r["kind"] == "edit"]
     params = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True)
-    for label, kwargs in [("queued ahead", {"async_scheduling": True}), ("host-planned", {"async_scheduling": False})]:
+    for label in args.configs:
+        kwargs = CONFIGS[label]
         llm = LLM(dtype="bfloat16", device="cuda", max_model_len=2048, max_num_seqs=1,
                   speculative_config={"method": "mtp", "num_speculative_tokens": 3}, enable_prefix_caching=False,
                   **kwargs)
@@ -59,6 +87,8 @@ def main() -> None:
         print(f"{label}: {1e3 * wall:.0f} ms, {steps} steps ({engine.overlap.num_async_steps - queued} queued ahead), "
               f"{1e3 * wall / steps:.3f} ms / step")
         print("   ", {k: f"{1e3 * v:.1f} ms" if not k.endswith("#") else int(v) for k, v in sorted(acc.items())})
+        if args.cprofile:
+            print_cprofile(llm, pool[:8], params, args.cprofile)
         del llm
         torch.cuda.empty_cache()
 

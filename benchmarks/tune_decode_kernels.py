@@ -8,7 +8,10 @@ the gates computed in the kernel from a, b (strided column slices of one project
 GB/s counts the bytes a step must move: fp32 state read + every written state, the q/k/v and a/b/A_log/dt_bias
 inputs and the output.
 
-    python3 benchmarks/tune_decode_kernels.py [--batch-sizes 1 8 32 128] [--query-len 1]
+    python3 benchmarks/tune_decode_kernels.py [--batch-sizes 1 8 32 128] [--query-len 1] [--shape embedded]
+        [--kernels gdn_recurrent]
+
+``--shape embedded``: the embedded model's GDN shape instead (2 k-heads, 4 v-heads, dk = dv = 64).
 """
 
 import argparse
@@ -19,7 +22,9 @@ import triton
 
 from truespec.kernels import GateInputs, causal_conv1d, gdn_recurrent
 
-HK, HV, DK, DV, CONV_K = 16, 16, 128, 128, 4
+SHAPES = {"0.8b": (16, 16, 128, 128), "embedded": (2, 4, 64, 64)}  # k-heads, v-heads, dk, dv
+HK, HV, DK, DV = SHAPES["0.8b"]
+CONV_K = 4
 
 
 def _metadata(num_reqs: int, query_len: int, device: str) -> tuple[torch.Tensor, ...]:
@@ -83,11 +88,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32, 128])
     parser.add_argument("--query-len", type=int, nargs="+", default=[1, 4])
+    parser.add_argument("--shape", choices=list(SHAPES), default="0.8b")
+    parser.add_argument("--kernels", nargs="+", choices=["gdn_recurrent", "causal_conv1d"],
+                        default=["gdn_recurrent", "causal_conv1d"])
     args = parser.parse_args()
-    print(torch.cuda.get_device_name())
-    for (name, fn), bs, qlen in itertools.product(
-        (("gdn_recurrent", tune_gdn), ("causal_conv1d", tune_conv)), args.batch_sizes, args.query_len
-    ):
+    global HK, HV, DK, DV
+    HK, HV, DK, DV = SHAPES[args.shape]
+    print(torch.cuda.get_device_name(), args.shape)
+    tuners = {"gdn_recurrent": tune_gdn, "causal_conv1d": tune_conv}
+    for name, bs, qlen in itertools.product(args.kernels, args.batch_sizes, args.query_len):
+        fn = tuners[name]
         rows = sorted(fn(bs, qlen), key=lambda r: r[1])
         print(f"\n{name} BS={bs} query_len={qlen}\n| variant | us | GB/s | max abs diff vs default |")
         print("|---|---:|---:|---:|")

@@ -31,6 +31,24 @@ from truespec.ops.gdn import L2NORM_EPS, GateInputs
 from truespec.ops.precision import compute_dtype
 
 
+@triton.jit
+def _load_token(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, a_ptr, b_ptr, t, is_token, hk, h, kk, vv, k_mask, v_mask,
+                stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head, stride_g_tok,
+                stride_beta_tok, stride_a_tok, stride_b_tok, FUSED_GATES: tl.constexpr):
+    """Token t's q, k [DK_PAD], v [BV] and gate inputs (a, b with FUSED_GATES, else g, beta), as stored (zeros
+    unless ``is_token``)."""
+    q = tl.load(q_ptr + t * stride_q_tok + hk * stride_q_head + kk, mask=k_mask & is_token, other=0.0)
+    k = tl.load(k_ptr + t * stride_k_tok + hk * stride_k_head + kk, mask=k_mask & is_token, other=0.0)
+    v = tl.load(v_ptr + t * stride_v_tok + h * stride_v_head + vv, mask=v_mask & is_token, other=0.0)
+    if FUSED_GATES:
+        ga = tl.load(a_ptr + t * stride_a_tok + h, mask=is_token, other=0.0)
+        gb = tl.load(b_ptr + t * stride_b_tok + h, mask=is_token, other=0.0)
+    else:
+        ga = tl.load(g_ptr + t * stride_g_tok + h, mask=is_token, other=0.0)
+        gb = tl.load(beta_ptr + t * stride_beta_tok + h, mask=is_token, other=0.0)
+    return q, k, v, ga, gb
+
+
 @triton.jit(do_not_specialize=["num_reqs", "num_tokens"])
 def _gdn_recurrent_kernel(
     out_ptr,  # [T, HV, DV]
@@ -102,21 +120,30 @@ def _gdn_recurrent_kernel(
     if FUSED_GATES:
         A_log = tl.load(A_log_ptr + h).to(ACC_DTYPE)
         dt_bias = tl.load(dt_bias_ptr + h).to(ACC_DTYPE)
+    # token t + 1's inputs are loaded while token t computes: their latency is off the recurrence's critical path
+    q_next, k_next, v_next, ga_next, gb_next = _load_token(
+        q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, a_ptr, b_ptr, start, start < end, hk, h, kk, vv, k_mask, v_mask,
+        stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head, stride_g_tok,
+        stride_beta_tok, stride_a_tok, stride_b_tok, FUSED_GATES)
     for t in range(start, end):
-        q = tl.load(q_ptr + t * stride_q_tok + hk * stride_q_head + kk, mask=k_mask, other=0.0).to(ACC_DTYPE)
-        k = tl.load(k_ptr + t * stride_k_tok + hk * stride_k_head + kk, mask=k_mask, other=0.0).to(ACC_DTYPE)
+        q, k, v, ga, gb = q_next, k_next, v_next, ga_next, gb_next
+        q_next, k_next, v_next, ga_next, gb_next = _load_token(
+            q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, a_ptr, b_ptr, t + 1, t + 1 < end, hk, h, kk, vv, k_mask, v_mask,
+            stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head, stride_g_tok,
+            stride_beta_tok, stride_a_tok, stride_b_tok, FUSED_GATES)
+        q = q.to(ACC_DTYPE)
+        k = k.to(ACC_DTYPE)
         if USE_QK_L2NORM:  # x * rsqrt(sum x^2 + eps), as ops/gdn.py's l2norm
             q = q * (1.0 / tl.sqrt(reduce_sum(q * q, 0) + eps_acc))
             k = k * (1.0 / tl.sqrt(reduce_sum(k * k, 0) + eps_acc))
         q = q * scale_acc
-        v = tl.load(v_ptr + t * stride_v_tok + h * stride_v_head + vv, mask=v_mask, other=0.0).to(ACC_DTYPE)
+        v = v.to(ACC_DTYPE)
         if FUSED_GATES:
-            a = tl.load(a_ptr + t * stride_a_tok + h).to(ACC_DTYPE)
-            b = tl.load(b_ptr + t * stride_b_tok + h).to(ACC_DTYPE)
-            g, beta = gdn_gates(a, b, A_log, dt_bias, THRESHOLD, a_ptr.dtype.element_ty)
+            g, beta = gdn_gates(ga.to(ACC_DTYPE), gb.to(ACC_DTYPE), A_log, dt_bias, THRESHOLD,
+                                a_ptr.dtype.element_ty)
         else:
-            g = tl.load(g_ptr + t * stride_g_tok + h).to(ACC_DTYPE)
-            beta = tl.load(beta_ptr + t * stride_beta_tok + h).to(ACC_DTYPE)
+            g = ga.to(ACC_DTYPE)
+            beta = gb.to(ACC_DTYPE)
         state = state * tl.exp(g)
         delta = (v - reduce_sum(state * k[:, None], 0)) * beta  # [BV]
         state = state + k[:, None] * delta[None, :]
