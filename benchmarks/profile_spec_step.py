@@ -27,9 +27,10 @@ from truespec.assets import DEFAULT_EAGLE_DIR
 PROMPTS = Path(__file__).resolve().parent / "prompts" / "heldout.jsonl"
 CONFIGS = {
     "none": (None, {}),
-    "mtp k=3": ({"method": "mtp", "num_speculative_tokens": 3}, {}),
+    "mtp k=3": ({"method": "mtp", "num_speculative_tokens": 3}, {"async_scheduling": False}),
     "mtp k=3 ahead": ({"method": "mtp", "num_speculative_tokens": 3}, {"async_scheduling": True}),
-    "eagle k=3": ({"method": "eagle", "num_speculative_tokens": 3, "model": str(DEFAULT_EAGLE_DIR)}, {}),
+    "eagle k=3": ({"method": "eagle", "num_speculative_tokens": 3, "model": str(DEFAULT_EAGLE_DIR)},
+                  {"async_scheduling": False}),
     "eagle k=3 ahead": ({"method": "eagle", "num_speculative_tokens": 3, "model": str(DEFAULT_EAGLE_DIR)},
                         {"async_scheduling": True}),
 }

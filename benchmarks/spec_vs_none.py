@@ -3,7 +3,7 @@ TTFT, TPOT and the mean acceptance length per method and batch size, with the sp
 in the same process on the same card.
 
     python3 benchmarks/spec_vs_none.py [--batch-sizes 1 4 16 64] [--kind edit] [--max-tokens 128]
-        [--methods none "ngram k=8" "mtp k=3" "mtp k=3 ahead" ...] [--json FILE] [--no-batch-invariant]
+        [--methods none "ngram k=8" "mtp k=3" "mtp k=3 host-planned" ...] [--json FILE] [--no-batch-invariant]
         [--governors default auto off]
 
 At batch size b the engine runs ``max(2 b, --min-prompts)`` prompts with ``max_num_seqs = b`` (so b requests
@@ -32,9 +32,10 @@ METHODS = {
     "eagle k=3": {"method": "eagle", "num_speculative_tokens": 3, "model": str(DEFAULT_EAGLE_DIR)},
     "draft_model k=3": {"method": "draft_model", "num_speculative_tokens": 3, "model": str(DEFAULT_DRAFT_MODEL_DIR)},
 }
-# the same drafters with their verifies queued ahead and drafted on the device (async_scheduling=True)
-METHODS |= {f"{name} ahead": METHODS[name] for name in ("mtp k=3", "eagle k=3")}
-ENGINE_KWARGS = {f"{name} ahead": {"async_scheduling": True} for name in ("mtp k=3", "eagle k=3")}
+# MTP / EAGLE verifies are queued ahead and drafted on the device by default; "host-planned": each step planned
+# after the previous one's read (async_scheduling=False, as every speculative step was before session 15)
+METHODS |= {f"{name} host-planned": METHODS[name] for name in ("mtp k=3", "eagle k=3")}
+ENGINE_KWARGS = {f"{name} host-planned": {"async_scheduling": False} for name in ("mtp k=3", "eagle k=3")}
 
 
 def measure(llm: LLM, prompts: list[str], batch_size: int, max_tokens: int) -> dict[str, float | None]:

@@ -47,9 +47,9 @@ class EngineConfig:
     speculative_config: "SpeculativeConfig | dict | None" = None
     enforce_eager: bool = False  # vLLM: never use CUDA graphs (same as cudagraph_mode NONE)
     compilation_config: "CompilationConfig | dict | None" = None
-    # vLLM's async scheduling: prepare step N+1 on the host while step N runs on the device (greedy decode steps
-    # without speculation; with True also greedy MTP / EAGLE verifies, drafted on the device: engine/
-    # async_scheduler.py). None: on for CUDA devices (decode steps only), off on CPU.
+    # vLLM's async scheduling: prepare step N+1 on the host while step N runs on the device (greedy decode steps,
+    # and greedy MTP / EAGLE verifies drafted on the device: engine/async_scheduler.py). None: on for CUDA
+    # devices, off on CPU.
     async_scheduling: bool | None = None
     # every projection (and the logits) through the row-invariant kernel on CUDA: a row's bits do not depend on
     # the rest of its step, so speculation and batching never change a token (layers/linear.py). False: the

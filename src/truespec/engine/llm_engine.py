@@ -116,9 +116,9 @@ class LLMEngine:
         self.input_processor = InputProcessor(self.tokenizer, self.max_model_len, self.vocab_size,
                                               self.structured_outputs)
         is_async = config.async_scheduling if config.async_scheduling is not None else self.device.type == "cuda"
-        # speculative steps are queued ahead only when asked for (async_scheduling=True): on the embedded model they
-        # were measured slower than planning them on the host (BENCHMARKS.md, session 8)
-        queue_verifies = config.async_scheduling is True and isinstance(self.proposer, ModelDrafter)
+        # MTP / EAGLE verifies are queued ahead with async scheduling (on by default on CUDA): faster than planning
+        # them on the host at every batch size measured (BENCHMARKS.md, session 15)
+        queue_verifies = is_async and isinstance(self.proposer, ModelDrafter)
         drafter = self.proposer if queue_verifies else None
         # decodes are queued ahead without a proposer, and with ngram for steps that draft nothing (it indexes the
         # tokens it skipped when it drafts again; a model drafter must catch up on every step's hidden states)
