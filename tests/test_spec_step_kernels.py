@@ -1,7 +1,7 @@
 """kernels/spec_step.py against its torch references (ops/spec_step.py) on random ragged batches: the moved
 positions, context lengths, state sources and KV slots of a step queued ahead (padding rows untouched, positions
 past a request's blocks get slot -1), a greedy verify's accepted counts and next tokens, and a drafting chain's
-metadata (padded request counts, k = 1 .. 4)."""
+metadata (padded request counts up to 64, k = 1 .. 8)."""
 
 import random
 
@@ -69,7 +69,7 @@ def random_chain_step(rng: random.Random, top: int, k: int, width: int, block_si
     """A verify of ``num_reqs`` requests (1 + 0..k rows each, drafts accepted up to a random point) in the chain's
     static buffers (rows past the step hold stale values), and the request count it is padded to."""
     q, num_reqs = 1 + k, rng.randint(1, top)
-    size = rng.choice([s for s in (1, 2, 4, 8, 16, top) if num_reqs <= s <= top])
+    size = rng.choice([s for s in (1, 2, 4, 8, 16, 32, top) if num_reqs <= s <= top])
     stale = [rng.randrange(50) for _ in range(3 * top * q)]
     argmax, ids, positions, qsl = stale[:top * q], stale[top * q:2 * top * q], stale[2 * top * q:], [0]
     for _ in range(num_reqs):
@@ -90,7 +90,7 @@ def random_chain_step(rng: random.Random, top: int, k: int, width: int, block_si
 def check_chain_metadata(device: torch.device, trials: int) -> None:
     rng = random.Random(2)
     for _ in range(trials):
-        top, k, width, block_size = rng.choice([1, 3, 8, 16]), rng.randint(1, 4), rng.randint(1, 5), 4
+        top, k, width, block_size = rng.choice([1, 3, 8, 16, 64]), rng.choice([1, 2, 3, 4, 8]), rng.randint(1, 5), 4
         tensors, size = random_chain_step(rng, top, k, width, block_size)
         got, expected = ChainMetadata.empty(top, k, device), ChainMetadata.empty(top, k, torch.device("cpu"))
         chain_metadata(*(t.to(device) for t in tensors), size, k, block_size, got)

@@ -9,7 +9,6 @@ import torch
 import triton
 import triton.language as tl
 
-from truespec.kernels.triton_utils import reduce_sum
 from truespec.ops.spec_step import ChainMetadata
 
 
@@ -72,7 +71,7 @@ def _chain_metadata_kernel(argmax_ptr, input_ids_ptr, positions_ptr, qsl_ptr, ta
                            width, stride_table, stride_draft, block_size, K: tl.constexpr, BLOCK_R: tl.constexpr,
                            BLOCK_T: tl.constexpr):
     """One program: requests as one vector of BLOCK_R >= size + 1 lanes (lane r: query edge r, request r), the
-    catch-up's tokens as one of BLOCK_T >= size * (1 + K)."""
+    catch-up's tokens as one of BLOCK_T >= size * (1 + K) (their requests found by a loop over the query ends)."""
     num_reqs = tl.load(num_reqs_ptr)
     end = tl.load(qsl_ptr + num_reqs)  # the step's token count
     r = tl.arange(0, BLOCK_R)
@@ -107,8 +106,11 @@ def _chain_metadata_kernel(argmax_ptr, input_ids_ptr, positions_ptr, qsl_ptr, ta
     # the catch-up: token t's request is the number of query ends (edges 1 .. size) at or before t
     t = tl.arange(0, BLOCK_T)
     is_token = t < size * (K + 1)
-    ends_before = (first[None, :] <= t[:, None]) & (r[None, :] >= 1) & is_edge[None, :]
-    owner = tl.minimum(reduce_sum(ends_before.to(tl.int32), 1), size - 1)
+    owner = tl.full([BLOCK_T], 0, tl.int32)
+    for e in range(1, size + 1):  # a loop, not a [tokens, requests] matrix: registers stay O(BLOCK_T)
+        edge = tl.where(e <= num_reqs, tl.load(qsl_ptr + e, mask=e <= num_reqs, other=0), end)
+        owner += (edge <= t).to(tl.int32)
+    owner = tl.minimum(owner, size - 1)
     position = tl.load(positions_ptr + t, mask=is_token, other=0)
     column = position // block_size
     block = tl.load(tables_ptr + owner * stride_table + tl.minimum(column, width - 1), mask=is_token, other=-1)
