@@ -93,7 +93,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="torch threads on the CPU (default: 1 for small models, else torch's; env "
                              "TRUESPEC_CPU_THREADS)")
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
-                        help="prepare the next decode step while the device runs this one (default: on for CUDA)")
+                        help="prepare the next decode step (and MTP / EAGLE verify) while the device runs this one "
+                             "(default: on for CUDA)")
     parser.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=True,
                         help="projections whose rows do not depend on the rest of the step, so speculation never "
                              "changes a 16-bit token (default: on; --no-batch-invariant: cuBLAS, faster prefill)")
