@@ -150,3 +150,24 @@ def test_failure_while_a_step_is_queued_changes_no_output(tiny_models: dict[str,
 def test_async_scheduling_is_checked() -> None:
     with pytest.raises(ValueError, match="async_scheduling"):
         LLM("unused", async_scheduling="yes")
+
+
+@pytest.mark.parametrize("async_scheduling, device, proposer, expected", [
+    (None, "cuda", None, (True, False)),  # the default on CUDA: decodes queued ahead
+    (None, "cuda", "ngram", (True, False)),  # ngram: its non-drafting steps as decodes, verifies on the host
+    (None, "cuda", "model", (False, True)),  # MTP / EAGLE: verifies queued ahead by default (session 15)
+    (None, "cpu", "model", (False, False)),  # off by default on CPU
+    (False, "cuda", "model", (False, False)),  # off when asked
+    (True, "cpu", "model", (False, True)),  # on when asked, also on CPU (the float64 tests' path)
+    (True, "cpu", None, (True, False)),
+])
+def test_which_steps_are_queued_ahead(async_scheduling: bool | None, device: str, proposer: str | None,
+                                      expected: tuple[bool, bool]) -> None:
+    """``queued_steps``: decodes and MTP / EAGLE verifies go ahead of the previous step's read exactly where the
+    README says (async scheduling on by default on CUDA, verifies of model drafters included)."""
+    from truespec.engine.async_scheduler import queued_steps
+    from truespec.spec_decode.model_drafter import ModelDrafter
+    from truespec.spec_decode.ngram import NgramProposer
+
+    made = {None: None, "ngram": NgramProposer(3, 2, 2), "model": object.__new__(ModelDrafter)}[proposer]
+    assert queued_steps(async_scheduling, device, made) == expected

@@ -29,8 +29,21 @@ from truespec.core.scheduler import Scheduler
 from truespec.core.scheduler_output import SchedulerOutput
 from truespec.core.sequence import PLACEHOLDER, Sequence
 from truespec.spec_decode.model_drafter import ModelDrafter
+from truespec.spec_decode.ngram import NgramProposer
 from truespec.worker.input_builder import to_device_async
 from truespec.worker.model_runner import LaunchedStep, ModelRunner
+
+
+def queued_steps(async_scheduling: bool | None, device_type: str, proposer: object | None) -> tuple[bool, bool]:
+    """(decodes queued ahead, verifies queued ahead) for an engine's ``async_scheduling`` (None: on for CUDA, off on
+    CPU) and proposer. Decodes: without a proposer, and with ngram for the steps that draft nothing (it indexes the
+    tokens it skipped when it drafts again; a model drafter must catch up on every step's hidden states). Verifies:
+    with a model drafter (MTP / EAGLE drafting on the device; a draft model keeps its steps on the host, see
+    ``ModelDrafter.can_draft_on_device``), faster than planning them on the host at every batch size measured
+    (BENCHMARKS.md, session 15)."""
+    is_async = async_scheduling if async_scheduling is not None else device_type == "cuda"
+    queue_decodes = is_async and (proposer is None or isinstance(proposer, NgramProposer))
+    return queue_decodes, is_async and isinstance(proposer, ModelDrafter)
 
 
 class AsyncScheduler:

@@ -11,7 +11,7 @@ from truespec.core.gdn_prefill_rule import GdnPrefillRule
 from truespec.core.scheduler import Scheduler
 from truespec.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from truespec.core.sequence import PLACEHOLDER, Sequence
-from truespec.engine.async_scheduler import AsyncScheduler
+from truespec.engine.async_scheduler import AsyncScheduler, queued_steps
 from truespec.engine.draft_gate import draft_counter, draft_gate
 from truespec.engine.input_processor import InputProcessor, PromptType, Request
 from truespec.engine.output_processor import OutputProcessor
@@ -32,7 +32,6 @@ from truespec.spec_decode.governor import SpeculationGovernor
 from truespec.spec_decode.interface import DraftRequest
 from truespec.spec_decode.metrics import SpecDecodeMetrics
 from truespec.spec_decode.model_drafter import ModelDrafter
-from truespec.spec_decode.ngram import NgramProposer
 from truespec.spec_decode.proposer import (
     check_speculative_config,
     load_drafter,
@@ -115,14 +114,8 @@ class LLMEngine:
         self.parents = ParentRequests()  # requests with n > 1, whose children are in seqs
         self.input_processor = InputProcessor(self.tokenizer, self.max_model_len, self.vocab_size,
                                               self.structured_outputs)
-        is_async = config.async_scheduling if config.async_scheduling is not None else self.device.type == "cuda"
-        # MTP / EAGLE verifies are queued ahead with async scheduling (on by default on CUDA): faster than planning
-        # them on the host at every batch size measured (BENCHMARKS.md, session 15)
-        queue_verifies = is_async and isinstance(self.proposer, ModelDrafter)
+        queue_decodes, queue_verifies = queued_steps(config.async_scheduling, self.device.type, self.proposer)
         drafter = self.proposer if queue_verifies else None
-        # decodes are queued ahead without a proposer, and with ngram for steps that draft nothing (it indexes the
-        # tokens it skipped when it drafts again; a model drafter must catch up on every step's hidden states)
-        queue_decodes = is_async and (self.proposer is None or isinstance(self.proposer, NgramProposer))
         self.overlap = AsyncScheduler(self.scheduler, self.runner, self.seqs, enabled=queue_decodes, drafter=drafter,
                                       num_drafts=self.num_drafts,
                                       may_draft=self.may_draft if self.proposer is not None else None)
