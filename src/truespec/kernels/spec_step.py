@@ -13,6 +13,15 @@ from truespec.ops.spec_step import ChainMetadata
 
 
 @triton.jit
+def _kv_slot(tables_ptr, row, position, is_held, width, stride_table, block_size):
+    """The flat KV slot of ``position`` in block-table row ``row`` (``ops.spec_step.kv_slots_on_device``): -1 past
+    the table's columns, at a -1 cell, or where not ``is_held``."""
+    column = position // block_size
+    block = tl.load(tables_ptr + row * stride_table + column, mask=is_held & (column < width), other=-1)
+    return tl.where(block >= 0, block * block_size + position % block_size, -1)
+
+
+@triton.jit
 def _move_positions_kernel(positions_ptr, seq_lens_ptr, state_src_ptr, slot_mapping_ptr, block_tables_ptr,
                            query_start_loc_ptr, shift_ptr, width, stride_table, block_size):
     r = tl.program_id(0)
@@ -23,9 +32,7 @@ def _move_positions_kernel(positions_ptr, seq_lens_ptr, state_src_ptr, slot_mapp
     for t in range(tl.load(query_start_loc_ptr + r), tl.load(query_start_loc_ptr + r + 1)):
         position = tl.load(positions_ptr + t) + shift
         tl.store(positions_ptr + t, position)
-        column = position // block_size
-        block = tl.load(block_tables_ptr + r * stride_table + column, mask=column < width, other=-1)
-        tl.store(slot_mapping_ptr + t, tl.where(block >= 0, block * block_size + position % block_size, -1))
+        tl.store(slot_mapping_ptr + t, _kv_slot(block_tables_ptr, r, position, True, width, stride_table, block_size))
 
 
 def move_positions(positions: torch.Tensor, seq_lens: torch.Tensor, state_src: torch.Tensor,
@@ -97,9 +104,7 @@ def _chain_metadata_kernel(argmax_ptr, input_ids_ptr, positions_ptr, qsl_ptr, ta
     tl.store(seq_lens_ptr + r, tl.where(is_real, start + tl.maximum(num_rows_r - 1, 0) + 1, 0), mask=is_req)
     for j in tl.static_range(1, K):
         at = start + accepted + j
-        column = at // block_size
-        block = tl.load(tables_ptr + r * stride_table + tl.minimum(column, width - 1), mask=is_req, other=-1)
-        slot = tl.where((column < width) & (block >= 0) & is_real, block * block_size + at % block_size, -1)
+        slot = _kv_slot(tables_ptr, r, at, is_real, width, stride_table, block_size)
         tl.store(draft_positions_ptr + (j - 1) * stride_draft + r, at, mask=is_req)
         tl.store(draft_seq_lens_ptr + (j - 1) * stride_draft + r, tl.where(is_real, at + 1, 0), mask=is_req)
         tl.store(draft_slots_ptr + (j - 1) * stride_draft + r, slot, mask=is_req)
@@ -112,9 +117,7 @@ def _chain_metadata_kernel(argmax_ptr, input_ids_ptr, positions_ptr, qsl_ptr, ta
         owner += (edge <= t).to(tl.int32)
     owner = tl.minimum(owner, size - 1)
     position = tl.load(positions_ptr + t, mask=is_token, other=0)
-    column = position // block_size
-    block = tl.load(tables_ptr + owner * stride_table + tl.minimum(column, width - 1), mask=is_token, other=-1)
-    slot = tl.where((column < width) & (block >= 0) & (t < end), block * block_size + position % block_size, -1)
+    slot = _kv_slot(tables_ptr, owner, position, is_token & (t < end), width, stride_table, block_size)
     tl.store(slots_ptr + t, slot, mask=is_token)
 
 
