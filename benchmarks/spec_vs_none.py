@@ -3,14 +3,17 @@ TTFT, TPOT and the mean acceptance length per method and batch size, with the sp
 in the same process on the same card.
 
     python3 benchmarks/spec_vs_none.py [--batch-sizes 1 4 16 64] [--kind edit] [--max-tokens 128]
-        [--methods none "ngram k=8" "mtp k=3" "mtp k=3 host-planned" ...] [--json FILE] [--no-batch-invariant]
-        [--governors default auto off]
+        [--methods none "ngram k=8" "mtp k=3" "mtp k=3 host-planned" "mtp k=3 no drafts" ...] [--json FILE]
+        [--no-batch-invariant]
+        [--governors default auto off] [--interleave R]
 
 At batch size b the engine runs ``max(2 b, --min-prompts)`` prompts with ``max_num_seqs = b`` (so b requests
 decode together, new ones joining as others finish); greedy, ignore_eos. One engine per method (and per
 ``--governors`` value: the speculation governor, spec_decode/governor.py; "default" leaves the key out); each
-(method, b) first runs all its prompts once untimed (the governor measures in that run too). Prints a markdown
-table last.
+(method, b) first runs all its prompts once untimed (the governor measures in that run too). With ``--interleave R``
+all engines are built first and measured in turn, R rounds per batch size, each reporting its median run: the host's
+speed drifts between runs and processes (session 16: "none" alone 12,990 tok/s at BS 16, after another engine in one
+process 20,999), and alternating cancels slow drift. Prints a markdown table last.
 """
 
 import argparse
@@ -36,15 +39,20 @@ METHODS = {
 # after the previous one's read (async_scheduling=False, as every speculative step was before session 15)
 METHODS |= {f"{name} host-planned": METHODS[name] for name in ("mtp k=3", "eagle k=3")}
 ENGINE_KWARGS = {f"{name} host-planned": {"async_scheduling": False} for name in ("mtp k=3", "eagle k=3")}
+# "no drafts": disable_by_batch_size 1, so no step drafts: what a step the governor turns off costs each method
+METHODS |= {f"{name} no drafts": METHODS[name] | {"disable_by_batch_size": 1}
+            for name in ("ngram k=8", "mtp k=3", "eagle k=3", "draft_model k=3")}
 
 
-def measure(llm: LLM, prompts: list[str], batch_size: int, max_tokens: int) -> dict[str, float | None]:
+def measure(llm: LLM, prompts: list[str], batch_size: int, max_tokens: int,
+            warm_up: bool = True) -> dict[str, float | None]:
     engine = llm.llm_engine
     engine.scheduler.max_num_seqs = batch_size  # a benchmark-only knob: the concurrency of this run
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     # warm-up: every prompt once, so that no kernel specialisation for a new length compiles inside the timed run
     # (a warm-up of one prompt left the first engine's BS 1 run at 1,029 vs 2,151 tok/s in two calls: session 12)
-    llm.generate(prompts, params, use_tqdm=False)
+    if warm_up:
+        llm.generate(prompts, params, use_tqdm=False)
     before = llm.get_metrics()
     llm.reset_prefix_cache()  # the warm-up's prompts would skip their prefill
     torch.cuda.synchronize()
@@ -78,16 +86,39 @@ def main() -> None:
     parser.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--governors", nargs="+", default=["default"], choices=["default", "auto", "off"])
+    parser.add_argument("--interleave", type=int, default=0, metavar="R",
+                        help="build every engine first, then measure them in turn R times per batch size and report "
+                             "each one's median run (the host's speed drifts between runs: session 16)")
     args = parser.parse_args()
     rows = [json.loads(line) for line in PROMPTS.read_text().splitlines()]
     pool = [r["prompt"] for r in rows if r["kind"] == args.kind]
     results: dict[str, dict[int, dict]] = {}
     runs = [(name, g) for name in args.methods for g in (args.governors if METHODS[name] else ["default"])]
-    for method, governor in runs:
+
+    def make(method: str, governor: str) -> tuple[str, LLM]:
         spec = METHODS[method] if governor == "default" else METHODS[method] | {"governor": governor}
         name = method if governor == "default" else f"{method} governor={governor}"
-        llm = LLM(dtype=args.dtype, device="cuda", max_model_len=2048, max_num_seqs=max(args.batch_sizes),
-                  speculative_config=spec, batch_invariant=args.batch_invariant, **ENGINE_KWARGS.get(method, {}))
+        # interleaved engines live side by side: a fixed pool (each request's 2048 positions, every sequence)
+        blocks = {"num_gpu_blocks_override": max(args.batch_sizes) * 130} if args.interleave else {}
+        return name, LLM(dtype=args.dtype, device="cuda", max_model_len=2048, max_num_seqs=max(args.batch_sizes),
+                         speculative_config=spec, batch_invariant=args.batch_invariant,
+                         **ENGINE_KWARGS.get(method, {}), **blocks)
+
+    if args.interleave:
+        engines = dict(make(method, governor) for method, governor in runs)
+        for b in args.batch_sizes:
+            prompts = pool[:max(2 * b, args.min_prompts)]
+            samples: dict[str, list[dict]] = {name: [] for name in engines}
+            for rep in range(args.interleave):
+                for name, llm in engines.items():
+                    samples[name].append(measure(llm, prompts, b, args.max_tokens, warm_up=rep == 0))
+            for name, runs_of in samples.items():
+                ranked = sorted(runs_of, key=lambda r: r["tok_s"])
+                results.setdefault(name, {})[b] = r = ranked[len(ranked) // 2] | {
+                    "tok_s_runs": [x["tok_s"] for x in runs_of]}
+                print(f"{name} BS={b}: {r}", flush=True)
+    for method, governor in runs if not args.interleave else []:
+        name, llm = make(method, governor)
         results[name] = {}
         for b in args.batch_sizes:
             results[name][b] = r = measure(llm, pool[:max(2 * b, args.min_prompts)], b, args.max_tokens)

@@ -155,10 +155,12 @@ def test_async_scheduling_is_checked() -> None:
 @pytest.mark.parametrize("async_scheduling, device, proposer, expected", [
     (None, "cuda", None, (True, False)),  # the default on CUDA: decodes queued ahead
     (None, "cuda", "ngram", (True, False)),  # ngram: its non-drafting steps as decodes, verifies on the host
-    (None, "cuda", "model", (False, True)),  # MTP / EAGLE: verifies queued ahead by default (session 15)
+    # model drafters: verifies queued ahead by default (session 15), and their non-drafting steps as decodes (the
+    # catch-up deferred, session 16)
+    (None, "cuda", "model", (True, True)),
     (None, "cpu", "model", (False, False)),  # off by default on CPU
     (False, "cuda", "model", (False, False)),  # off when asked
-    (True, "cpu", "model", (False, True)),  # on when asked, also on CPU (the float64 tests' path)
+    (True, "cpu", "model", (True, True)),  # on when asked, also on CPU (the float64 tests' path)
     (True, "cpu", None, (True, False)),
 ])
 def test_which_steps_are_queued_ahead(async_scheduling: bool | None, device: str, proposer: str | None,

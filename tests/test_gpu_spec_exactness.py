@@ -11,6 +11,8 @@ edit / completion / chat prompts of 19..320 tokens, greedy, in bfloat16 and floa
   (CUDA graphs, the default; and enforce_eager at max_num_seqs 1 and 16);
 - the same with chunked prefill (max_num_batched_tokens 64, longer prompts, more prompts than max_num_seqs), so
   prefill chunks share steps with decodes and verifies; these runs must also equal the unchunked baseline;
+- the same with drafting switched off while 9 or more requests run (disable_by_batch_size) and back on as they
+  finish: model drafters defer their catch-up over the steps that draft nothing;
 - the baselines themselves: the same tokens at max_num_seqs 1, 4 and 16, with CUDA graphs and without.
 
 Each configuration prints one line per run (identical requests, engine steps, forwards, acceptance) before it
@@ -125,9 +127,10 @@ def count_mixed_steps(llm: LLM, counts: dict[str, int]) -> None:
     scheduler.schedule = counting_schedule
 
 
-def generate(dtype: str, shape: Shape, method: str | None = None, logprobs: int | None = None) -> Run:
+def generate(dtype: str, shape: Shape, method: str | None = None, logprobs: int | None = None,
+             spec_extra: dict | None = None) -> Run:
     """One engine for one configuration: greedy-decode the shape's prompts, then free the device."""
-    spec = METHODS[method] if method is not None else None
+    spec = METHODS[method] | (spec_extra or {}) if method is not None else None
     # async_scheduling=True: MTP / EAGLE verifies are queued ahead and drafted on the device (engine/async_scheduler.py)
     llm = LLM(str(DEFAULT_MODEL_DIR), dtype=dtype, device=DEVICE, max_model_len=MAX_MODEL_LEN,
               speculative_config=spec, async_scheduling=True if spec is not None else None, **shape.engine_kwargs())
@@ -136,7 +139,8 @@ def generate(dtype: str, shape: Shape, method: str | None = None, logprobs: int 
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=logprobs)
     outs = llm.generate(shape.prompts(), params, use_tqdm=False)
     metrics = llm.get_metrics()
-    run = Run(f"{dtype} {shape.label} {method or 'no speculation'}", [o.outputs[0].token_ids for o in outs],
+    extra = f" {spec_extra}" if spec_extra else ""
+    run = Run(f"{dtype} {shape.label} {method or 'no speculation'}{extra}", [o.outputs[0].token_ids for o in outs],
               metrics["num_steps"], dict(llm.llm_engine.runner.graphs.stats), metrics, counts["mixed"],
               counts["mixed_verify"], [o.outputs[0].logprobs for o in outs] if logprobs is not None else None)
     del llm, outs
@@ -219,14 +223,14 @@ def assert_identical(dtype: str, shape: Shape, reference: Run, runs: list[Run]) 
         pytest.fail("speculation changed tokens:\n" + "\n".join(d for d in details if d))
 
 
-def run_methods(dtype: str, shape: Shape) -> tuple[Run, list[Run]]:
+def run_methods(dtype: str, shape: Shape, spec_extra: dict | None = None) -> tuple[Run, list[Run]]:
     """The baseline and every method in ``shape``, one summary line each; checks graph use and acceptance."""
     reference = baseline(dtype, shape)
     check_graph_use(reference, shape)
     print(f"\n{reference.label}: steps {reference.steps}, forwards {reference.forwards}")
     runs = []
     for method in METHODS:
-        run = generate(dtype, shape, method)
+        run = generate(dtype, shape, method, spec_extra=spec_extra)
         print(summary(reference, run))
         runs.append(run)
     for run in runs:
@@ -258,6 +262,18 @@ def test_speculation_is_lossless_with_prefill_chunks_beside_decodes(dtype: str, 
     assert_identical(dtype, shape, reference, runs)
     divergence = describe_divergence(unchunked, reference)
     assert divergence is None, f"chunked prefill changed tokens: {divergence}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_speculation_is_lossless_while_drafting_turns_off_and_on(dtype: str) -> None:
+    """disable_by_batch_size 9 with 24 prompts into 16 sequences: nobody drafts while 9 or more run (the steps go
+    queued ahead as plain decodes, a model drafter's catch-up deferred), then drafting resumes as requests finish
+    (the drafter first catches up on the deferred positions)."""
+    shape = Shape(16)
+    reference, runs = run_methods(dtype, shape, spec_extra={"disable_by_batch_size": 9})
+    for run in runs:
+        assert run.metrics["num_steps_without_drafts"] >= 0.3 * run.steps, run.metrics
+    assert_identical(dtype, shape, reference, runs)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

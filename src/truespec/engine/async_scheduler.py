@@ -6,11 +6,14 @@ next rows is built on the host from this step's tokens, so those steps run one a
 - **Decodes**: every request decodes greedily on, one token, without drafts, logprobs (of its output or of its
   prompt): step N+1's input ids are copied on the device from step N's argmax. What no token value changes is
   done ahead (positions, KV blocks, state slots); each request gets a placeholder token that the engine replaces
-  once N's tokens are read. With ngram, too, while the next step may not draft (the speculation governor turned
-  drafting off, or disable_by_batch_size): ngram indexes the skipped tokens when it drafts again.
+  once N's tokens are read. With a proposer, too, while the next step may not draft (the speculation governor
+  turned drafting off, or disable_by_batch_size): ngram indexes the skipped tokens when it drafts again, and a model
+  drafter defers its catch-up until then (``ModelDrafter.propose``), so such steps cost what steps without
+  speculation cost.
 - **Verifies** (a drafter that drafts on the device: MTP, EAGLE): behind every greedy decode / verify step the
   drafter queues the step's accepted counts and each request's next token and k drafts on the device
-  (``ModelDrafter.draft_on_device``; no drafts, only its catch-up, while the next steps may not draft). Step N+1
+  (``ModelDrafter.draft_on_device``; while the next steps may not draft, nothing: the queued step after a verify
+  then goes on as a plain decode). Step N+1
   is planned as if N accepts nothing; its blocks cover the case where N accepts everything, and the device moves
   each request's positions, KV slots and state source by what N accepted (``input_builder.shift_positions``) and
   feeds the next token and drafts. The host learns N+1's drafts
@@ -29,21 +32,19 @@ from truespec.core.scheduler import Scheduler
 from truespec.core.scheduler_output import SchedulerOutput
 from truespec.core.sequence import PLACEHOLDER, Sequence
 from truespec.spec_decode.model_drafter import ModelDrafter
-from truespec.spec_decode.ngram import NgramProposer
 from truespec.worker.input_builder import to_device_async
 from truespec.worker.model_runner import LaunchedStep, ModelRunner
 
 
 def queued_steps(async_scheduling: bool | None, device_type: str, proposer: object | None) -> tuple[bool, bool]:
     """(decodes queued ahead, verifies queued ahead) for an engine's ``async_scheduling`` (None: on for CUDA, off on
-    CPU) and proposer. Decodes: without a proposer, and with ngram for the steps that draft nothing (it indexes the
-    tokens it skipped when it drafts again; a model drafter must catch up on every step's hidden states). Verifies:
+    CPU) and proposer. Decodes: with any proposer, for the steps that draft nothing (ngram indexes the tokens it
+    skipped when it drafts again; a model drafter defers its catch-up, spec_decode/model_drafter.py). Verifies:
     with a model drafter (MTP / EAGLE drafting on the device; a draft model keeps its steps on the host, see
     ``ModelDrafter.can_draft_on_device``), faster than planning them on the host at every batch size measured
     (BENCHMARKS.md, session 15)."""
     is_async = async_scheduling if async_scheduling is not None else device_type == "cuda"
-    queue_decodes = is_async and (proposer is None or isinstance(proposer, NgramProposer))
-    return queue_decodes, is_async and isinstance(proposer, ModelDrafter)
+    return is_async, is_async and isinstance(proposer, ModelDrafter)
 
 
 class AsyncScheduler:
@@ -51,8 +52,7 @@ class AsyncScheduler:
                  drafter: ModelDrafter | None = None, num_drafts: Callable[[str, bool], int] | None = None,
                  may_draft: Callable[[], bool] | None = None) -> None:
         self.scheduler, self.runner, self.seqs = scheduler, runner, seqs
-        # decodes queued ahead (without a proposer, or with one that need not see every step: ngram, only while
-        # ``may_draft`` says the next step drafts nothing)
+        # decodes queued ahead (with a proposer only while ``may_draft`` says the next step drafts nothing)
         self.enabled = enabled
         # verifies queued ahead, drafted on the device (None: never); ``num_drafts``: the drafts a request's
         # next step verifies; ``may_draft``: whether the next step may draft at all (None: no proposer)
@@ -70,11 +70,13 @@ class AsyncScheduler:
         """Queue a step, and behind it the drafter's work on the device when every request of it is greedy."""
         step = self.runner.launch(sched, input_ids_from, shift)
         if self._drafts_on_device(sched, is_ahead=shift is not None):
-            # none while the next steps may not draft (the governor, disable_by_batch_size): only the catch-up
-            num_drafts = self.drafter.k if self.may_draft is None or self.may_draft() else 0
-            step.device_drafts = self.drafter.draft_on_device(
-                step.rows, step.positions, step.output.hidden_states, step.argmax, step.inputs, shift,
-                sched.finished_req_ids, num_drafts)
+            # while the next steps may not draft (the governor, disable_by_batch_size), the drafter defers its
+            # catch-up (``ModelDrafter.propose``) and the next step is queued as a plain decode
+            drafting = self.may_draft is None or self.may_draft()
+            if drafting or not self.drafter.defer_limit:
+                step.device_drafts = self.drafter.draft_on_device(
+                    step.rows, step.positions, step.output.hidden_states, step.argmax, step.inputs, shift,
+                    sched.finished_req_ids, self.drafter.k if drafting else 0)
         return step
 
     def launch_next(self, launched: LaunchedStep) -> str | None:
@@ -112,7 +114,9 @@ class AsyncScheduler:
             if (not r.is_last_chunk or r.draft_token_ids or not p.is_greedy or p.logprobs is not None
                     or r.prompt_logprob_token_ids or len(seq.output_token_ids) + 2 > seq.max_output_len):
                 return None
-            blocks += sched.kv.num_blocks_needed(seq.request_id, seq.num_computed_tokens + r.num_new_tokens + 1)
+            end = seq.num_computed_tokens + r.num_new_tokens + 1  # and a model drafter's lookahead, as planned
+            end = min(end + sched.num_lookahead_tokens, seq.prompt_len + seq.max_output_len)
+            blocks += sched.kv.num_blocks_needed(seq.request_id, end)
         return seqs if blocks <= sched.kv.num_free_blocks else None
 
     def _same_requests(self, launched: LaunchedStep) -> list[Sequence] | None:
@@ -130,8 +134,8 @@ class AsyncScheduler:
     def _drafts_on_device(self, sched: SchedulerOutput, is_ahead: bool) -> bool:
         """Whether the drafter drafts behind this step on the device: every request is a greedy decode or verify
         without logprobs, and its blocks cover the drafts' positions (a step planned ahead allocated them)."""
-        if self.drafter is None:
-            return False
+        if self.drafter is None or self.drafter.is_behind([r.request_id for r in sched.scheduled]):
+            return False  # a request whose catch-up was deferred catches up on the host (``ModelDrafter.propose``)
         reach = self.drafter.k - 1 if not is_ahead else 0  # the last draft's position past the query
         block_size = self.scheduler.kv.block_size
         return all(r.is_last_chunk and r.num_new_tokens == 1 and r.params.is_greedy and r.params.logprobs is None

@@ -201,7 +201,7 @@ class LLMEngine:
                 output = self.runner.collect(launched)
                 updated = self._update(sched.scheduled, output, provisional=ahead == "decode")
                 if launched.device_drafts is None:
-                    self._propose(sched, output, may_draft=ahead != "decode")
+                    self._propose(sched, output, may_draft=ahead != "decode", shifted=launched.shift is not None)
                 else:
                     self._take_device_drafts(sched, output, launched.device_drafts, is_queued=ahead == "verify")
             except BaseException:
@@ -255,10 +255,11 @@ class LLMEngine:
         self.spec_metrics.observe_step(has_drafts)
         return updated
 
-    def _propose(self, sched: SchedulerOutput, output: ModelRunnerOutput, may_draft: bool) -> None:
+    def _propose(self, sched: SchedulerOutput, output: ModelRunnerOutput, may_draft: bool, shifted: bool) -> None:
         """Let the proposer catch up on the step and draft for the requests that got a new token (as many drafts as
         the draft-length policy expects to pay for; none: the drafters only catch up on that request). Not
-        ``may_draft``: the next step is already queued as a decode, nobody drafts."""
+        ``may_draft``: the next step is already queued as a decode, nobody drafts. ``shifted``: a step queued ahead
+        whose positions the device moved (its plan's start is as if the step before accepted nothing)."""
         if self.proposer is None:
             return
         self.draft_length.forget(sched.finished_req_ids)
@@ -267,10 +268,11 @@ class LLMEngine:
             seq = self.seqs.get(r.request_id)
             if seq is None or seq.is_finished:
                 continue
-            num_drafts = self.num_drafts(r.request_id, r.params.is_greedy) \
-                if may_draft and output.sampled_token_ids[i] else 0
+            tokens = output.sampled_token_ids[i]
+            num_drafts = self.num_drafts(r.request_id, r.params.is_greedy) if may_draft and tokens else 0
+            start = seq.num_computed_tokens - len(tokens) if shifted else r.num_computed_tokens
             requests.append(DraftRequest(
-                r.request_id, r.params, seq.prompt_token_ids, seq.output_token_ids, r.num_computed_tokens,
+                r.request_id, r.params, seq.prompt_token_ids, seq.output_token_ids, start,
                 seq.num_computed_tokens, i, r.block_ids, r.first_state_slot, num_drafts > 0,
                 num_drafts and min(num_drafts, self.scheduler.max_drafts(seq))))  # max_drafts is never negative
         drafts = self.proposer.propose(requests, output, sched.finished_req_ids)

@@ -14,9 +14,19 @@ and rejected drafts need no rollback.
   t + 1, so it covers the verified positions only (``offset`` 0); slot j keeps the state after draft j.
 Draft j (j >= 1) is fed at position ``num_computed_tokens + offset - 1 + j``; the scheduler allocated blocks
 for up to ``num_speculative_tokens`` positions past the step's query (its lookahead).
+
+While a request does not draft, the catch-up of its plain decode steps is *deferred*: the drafter only notes the
+positions (and, for a head, which step's hidden-state row each came from: the runner hands out a fresh tensor per
+step, kept alive here) and catches up on all of them at once when the request drafts again, when ``DEFER_LIMIT``
+positions are due, or when a step of it is not a plain decode. So a step that drafts nothing costs what a step
+without speculation costs (engine/async_scheduler.py queues such steps ahead as plain decodes). The deferred
+positions' KV is the same as caught up step by step (each catch-up row is computed alone, invariant 4), so the drafts
+after it are too. A request restarted since (preempted: its step starts before the deferred positions end) forgets
+them: its re-prefill recomputes them.
 """
 
 from dataclasses import dataclass, field
+from itertools import count
 
 import torch
 
@@ -29,6 +39,18 @@ from truespec.worker.graph_runner import GraphRunner, GraphSettings
 from truespec.worker.input_builder import ContextRow, StepInputs
 from truespec.worker.runner_output import ModelRunnerOutput
 
+DEFER_LIMIT = 64  # positions a request's catch-up may fall behind while it does not draft
+
+
+@dataclass
+class _Behind:
+    """A request's deferred catch-up: positions ``start .. end - 1``; a head's hidden state of each, as (the id of
+    the step's hidden-state tensor in ``ModelDrafter._held``, row)."""
+
+    start: int
+    end: int
+    hidden: list[tuple[int, int]]
+
 
 @dataclass
 class _Job:
@@ -37,7 +59,7 @@ class _Job:
     request: DraftRequest
     start: int  # first position of its catch-up
     input_ids: list[int]  # its catch-up's tokens
-    hidden_rows: list[int]  # the target's hidden rows they pair with (heads only)
+    hidden_rows: list[tuple[int, int]]  # the target's hidden rows they pair with, as (held step id, row) (heads only)
     hidden: torch.Tensor | None = None  # [H]: the drafter's output the next draft is predicted from
     token_ids: list[int] = field(default_factory=list)  # drafts so far
     probs: list[torch.Tensor | None] = field(default_factory=list)
@@ -55,6 +77,10 @@ class ModelDrafter:
         self.uses_target_hidden = bool(getattr(head, "uses_target_hidden", False))
         self.offset = 0 if self.uses_target_hidden else 1
         self._generators: dict[str, torch.Generator] = {}
+        self.defer_limit = DEFER_LIMIT  # 0: catch up after every step
+        self._behind: dict[str, _Behind] = {}  # requests whose catch-up is deferred
+        self._held: dict[int, torch.Tensor] = {}  # steps' hidden states a deferred catch-up reads, by id
+        self._step_ids = count()
         allocate_caches(head, num_blocks, graphs.block_size, num_state_slots, device, kv_cache_dtype)
         # 1 + k forwards per step, and the host may queue the next step's before the device ends this one's
         self.graphs = GraphRunner(head, f"drafter ({type(head).__name__})", graphs, device, hidden_size, head.dtype,
@@ -70,15 +96,39 @@ class ModelDrafter:
             with torch.cuda.device(device):
                 self.chain.capture()
 
+    def forget(self, request_ids: list[str]) -> None:
+        """Drop what the drafter keeps for finished requests."""
+        for request_id in request_ids:
+            self._generators.pop(request_id, None)
+            self._behind.pop(request_id, None)
+        self._drop_unheld()
+
+    def is_behind(self, request_ids: list[str]) -> bool:
+        """Whether any of these requests has a deferred catch-up (its next step catches up on the host)."""
+        return bool(self._behind) and any(request_id in self._behind for request_id in request_ids)
+
     @torch.inference_mode()
     def propose(self, requests: list[DraftRequest], output: ModelRunnerOutput,
                 finished_req_ids: list[str]) -> dict[str, Drafts]:
-        for request_id in finished_req_ids:
-            self._generators.pop(request_id, None)
-        jobs = [job for r in requests if (job := self._catch_up_job(r, output)) is not None]
+        self.forget(finished_req_ids)
+        step_id = None  # this step's id in ``_held``, once a request defers
+        jobs = []
+        for r in requests:
+            behind = self._behind.pop(r.request_id, None)
+            if behind is not None and behind.end != r.step_start:  # restarted since: recomputed from its start
+                behind = None
+            if self._defers(r, behind):
+                if step_id is None and self.uses_target_hidden:
+                    step_id = next(self._step_ids)
+                    self._held[step_id] = output.hidden_states
+                self._behind[r.request_id] = self._defer(r, behind, step_id, output)
+            elif (job := self._catch_up_job(r, output, behind)) is not None:
+                jobs.append(job)
+        if jobs:
+            self._catch_up(jobs, output)
+        self._drop_unheld()
         if not jobs:
             return {}
-        self._catch_up(jobs, output)
         active = jobs
         for j in range(self.k):
             active = [job for job in active if len(job.token_ids) < min(self.k, job.num_wanted)]
@@ -105,8 +155,7 @@ class ModelDrafter:
         A step whose requests all verify k drafts runs as one graph replay (``DraftChain``) where one is
         captured. 0 drafts (the next steps draft nothing): only the acceptance and the catch-up, which keeps the
         drafter's cache whole for when drafting resumes."""
-        for request_id in finished_req_ids:
-            self._generators.pop(request_id, None)
+        self.forget(finished_req_ids)
         num_drafts = self.k if num_drafts is None else num_drafts
         num_tokens, num_reqs, ctx = len(positions), len(rows), inputs.ctx
         if num_drafts == self.k and self.chain is not None and \
@@ -131,19 +180,60 @@ class ModelDrafter:
             drafts.append((logits if logits.dtype == torch.float64 else logits.float()).argmax(dim=-1))
         return DeviceDrafts(num_accepted, torch.stack([next_token, *drafts], dim=1))
 
+    # ---- deferred catch-up ---------------------------------------------------------------------------
+    def _defers(self, r: DraftRequest, behind: _Behind | None) -> bool:
+        """Whether ``r``'s catch-up on this step waits: it does not draft, the step was one decode of an output
+        position (prompt positions are caught up at once: prefix caching shares their blocks), and fewer than
+        ``defer_limit`` positions are then due."""
+        due = (behind.end - behind.start if behind is not None else 0) + 1
+        return (not r.is_drafting and r.num_computed_tokens - r.step_start == 1
+                and r.step_start >= len(r.prompt_token_ids) and due <= self.defer_limit)
+
+    def _defer(self, r: DraftRequest, behind: _Behind | None, step_id: int | None,
+               output: ModelRunnerOutput) -> _Behind:
+        if behind is None:
+            behind = _Behind(r.step_start, r.step_start, [])
+        if self.uses_target_hidden:
+            behind.hidden.append((step_id, output.query_start_loc[r.row]))
+        behind.end = r.num_computed_tokens
+        return behind
+
+    def _drop_unheld(self) -> None:
+        """Release the held steps' hidden states that no deferred catch-up reads any more (ids grow with time)."""
+        if not self._held:
+            return
+        oldest = min((b.hidden[0][0] for b in self._behind.values() if b.hidden), default=None)
+        for step_id in [i for i in self._held if oldest is None or i < oldest]:
+            del self._held[step_id]
+
     # ---- catch-up ------------------------------------------------------------------------------------
-    def _catch_up_job(self, r: DraftRequest, output: ModelRunnerOutput) -> _Job | None:
-        start = r.step_start
+    def _catch_up_job(self, r: DraftRequest, output: ModelRunnerOutput, behind: _Behind | None = None) -> _Job | None:
+        """``r``'s catch-up: its deferred positions, if any, then the step's."""
+        start = behind.start if behind is not None else r.step_start
         end = r.num_computed_tokens + (self.offset if r.is_drafting else 0)
         if end <= start:
             return None
         if not self.uses_target_hidden:
             return _Job(r, start, r.token_slice(start, end), [])
         first = output.query_start_loc[r.row]  # hidden state of position t goes with token t + 1
-        return _Job(r, start, r.token_slice(start + 1, end + 1), list(range(first, first + end - start)))
+        rows = [(-1, first + i) for i in range(end - r.step_start)]  # -1: this step's hidden states
+        return _Job(r, start, r.token_slice(start + 1, end + 1), (behind.hidden if behind else []) + rows)
+
+    def _hidden_in(self, jobs: list[_Job], output: ModelRunnerOutput) -> torch.Tensor:
+        """The target's hidden states the jobs' rows pair with, in order: this step's, and held steps' for deferred
+        positions."""
+        pairs = [pair for job in jobs for pair in job.hidden_rows]
+        held = sorted({step_id for step_id, _ in pairs if step_id >= 0})
+        if not held:
+            return output.hidden_states[[row for _, row in pairs]]
+        sources, base, offset = [output.hidden_states], {-1: 0}, output.hidden_states.shape[0]
+        for step_id in held:
+            sources.append(self._held[step_id])
+            base[step_id], offset = offset, offset + sources[-1].shape[0]
+        return torch.cat(sources)[[base[step_id] + row for step_id, row in pairs]]
 
     def _catch_up(self, jobs: list[_Job], output: ModelRunnerOutput) -> None:
-        rows, input_ids, positions, hidden_rows = [], [], [], []
+        rows, input_ids, positions = [], [], []
         for job in jobs:
             n, base = len(job.input_ids), job.request.first_state_slot
             src = base if job.start > 0 else -1  # slot 0: the state after the positions before the step
@@ -151,8 +241,7 @@ class ModelDrafter:
             rows.append(ContextRow(job.request.block_ids, job.start, n, src, base, n - keep, 0))
             input_ids += job.input_ids
             positions += range(job.start, job.start + n)
-            hidden_rows += job.hidden_rows
-        hidden_in = output.hidden_states[hidden_rows] if self.uses_target_hidden else None
+        hidden_in = self._hidden_in(jobs, output) if self.uses_target_hidden else None
         # no prompt prefill in it: at most the step's 1 + k verified positions (and a draft model's new token)
         decode_only = all(len(job.input_ids) <= 1 + self.k + self.offset for job in jobs)
         hidden, _ = self.graphs.run(rows, input_ids, positions, hidden_in, decode_only)
