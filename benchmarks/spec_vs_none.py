@@ -39,9 +39,11 @@ METHODS = {
 # after the previous one's read (async_scheduling=False, as every speculative step was before session 15)
 METHODS |= {f"{name} host-planned": METHODS[name] for name in ("mtp k=3", "eagle k=3")}
 ENGINE_KWARGS = {f"{name} host-planned": {"async_scheduling": False} for name in ("mtp k=3", "eagle k=3")}
-# "no drafts": disable_by_batch_size 1, so no step drafts: what a step the governor turns off costs each method
-METHODS |= {f"{name} no drafts": METHODS[name] | {"disable_by_batch_size": 1}
-            for name in ("ngram k=8", "mtp k=3", "eagle k=3", "draft_model k=3")}
+# "no drafts": disable_by_batch_size 1, so no step drafts: what a step the governor turns off costs each method;
+# "auto": the speculation governor on (spec_decode/governor.py)
+METHODS |= {f"{name} {variant}": METHODS[name] | extra for name in ("ngram k=8", "mtp k=3", "eagle k=3",
+                                                                       "draft_model k=3")
+            for variant, extra in (("no drafts", {"disable_by_batch_size": 1}), ("auto", {"governor": "auto"}))}
 
 
 def measure(llm: LLM, prompts: list[str], batch_size: int, max_tokens: int,

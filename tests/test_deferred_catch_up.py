@@ -45,20 +45,22 @@ def flip_every(governor: SpeculationGovernor, n: int) -> None:
 
 def run(llm: LLM, prompts: list[str], params: list[SamplingParams] | SamplingParams,
         defer_limit: int) -> tuple[list[list[int]], dict[str, list[int]], int]:
-    """Tokens, each request's accepted drafts per step, and how many request-steps deferred their catch-up."""
+    """Tokens, each request's accepted drafts per step, and the sum over proposer calls of the requests left behind
+    (with deferred positions) after it."""
     engine = llm.llm_engine
     drafter = engine.proposer
     drafter.defer_limit = defer_limit
     accepted: dict[str, list[int]] = {}
     engine.update_hooks.append(lambda seq, n: accepted.setdefault(seq.request_id, []).append(n))
     deferred = [0]
-    defer = drafter._defer
+    propose = drafter.propose
 
     def counting(*args: object) -> object:
-        deferred[0] += 1
-        return defer(*args)
+        drafts = propose(*args)
+        deferred[0] += len(drafter._behind)
+        return drafts
 
-    drafter._defer = counting
+    drafter.propose = counting
     tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     engine.step()  # nothing to run: it reports the last finishes to the drafter
     assert not drafter._behind and not drafter._held  # nothing kept for finished requests

@@ -263,6 +263,9 @@ class LLMEngine:
         if self.proposer is None:
             return
         self.draft_length.forget(sched.finished_req_ids)
+        if not may_draft and not self.proposer.catches_up:  # ngram: nothing to index before a request drafts
+            self.proposer.forget(sched.finished_req_ids)
+            return
         requests = []
         for i, r in enumerate(sched.scheduled):
             seq = self.seqs.get(r.request_id)

@@ -48,6 +48,14 @@ class Drafts:
 
 
 class Proposer(Protocol):
+    # whether a request that does not draft still needs its steps proposed: a model drafter's caches follow every
+    # position (it catches up, or defers that); ngram indexes a request's tokens only when it drafts
+    catches_up: bool
+
+    def forget(self, request_ids: list[str]) -> None:
+        """Drop what is kept for these finished requests."""
+        ...
+
     def propose(self, requests: list[DraftRequest], output: ModelRunnerOutput,
                 finished_req_ids: list[str]) -> dict[str, Drafts]:
         """Drafts for the requests with ``is_drafting``, by request id (absent: none)."""

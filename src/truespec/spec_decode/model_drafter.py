@@ -70,6 +70,8 @@ class _Job:
 
 
 class ModelDrafter:
+    catches_up = True  # its caches follow every position a request computes
+
     def __init__(self, head: torch.nn.Module, k: int, num_blocks: int, num_state_slots: int, device: torch.device,
                  seed: int, graphs: GraphSettings, hidden_size: int | None = None,
                  kv_cache_dtype: str = "auto") -> None:
@@ -80,6 +82,7 @@ class ModelDrafter:
         self.defer_limit = DEFER_LIMIT  # 0: catch up after every step
         self._behind: dict[str, _Behind] = {}  # requests whose catch-up is deferred
         self._held: dict[int, torch.Tensor] = {}  # steps' hidden states a deferred catch-up reads, by id
+        self._released = False  # a deferred catch-up ended since ``_held`` was last pruned
         self._step_ids = count()
         allocate_caches(head, num_blocks, graphs.block_size, num_state_slots, device, kv_cache_dtype)
         # 1 + k forwards per step, and the host may queue the next step's before the device ends this one's
@@ -100,7 +103,7 @@ class ModelDrafter:
         """Drop what the drafter keeps for finished requests."""
         for request_id in request_ids:
             self._generators.pop(request_id, None)
-            self._behind.pop(request_id, None)
+            self._released |= self._behind.pop(request_id, None) is not None
         self._drop_unheld()
 
     def is_behind(self, request_ids: list[str]) -> bool:
@@ -112,17 +115,28 @@ class ModelDrafter:
                 finished_req_ids: list[str]) -> dict[str, Drafts]:
         self.forget(finished_req_ids)
         step_id = None  # this step's id in ``_held``, once a request defers
-        jobs = []
+        jobs, behinds, limit = [], self._behind, self.defer_limit
         for r in requests:
-            behind = self._behind.pop(r.request_id, None)
+            behind = behinds.pop(r.request_id, None)
             if behind is not None and behind.end != r.step_start:  # restarted since: recomputed from its start
-                behind = None
-            if self._defers(r, behind):
-                if step_id is None and self.uses_target_hidden:
-                    step_id = next(self._step_ids)
-                    self._held[step_id] = output.hidden_states
-                self._behind[r.request_id] = self._defer(r, behind, step_id, output)
-            elif (job := self._catch_up_job(r, output, behind)) is not None:
+                behind, self._released = None, True
+            # deferred: it does not draft, the step was one decode of an output position (prompt positions are
+            # caught up at once: prefix caching shares their blocks), and at most ``defer_limit`` positions are due
+            if (not r.is_drafting and r.num_computed_tokens - r.step_start == 1
+                    and r.step_start >= len(r.prompt_token_ids)
+                    and (behind.end - behind.start if behind is not None else 0) < limit):
+                if behind is None:
+                    behind = _Behind(r.step_start, r.step_start, [])
+                if self.uses_target_hidden:
+                    if step_id is None:
+                        step_id = next(self._step_ids)
+                        self._held[step_id] = output.hidden_states
+                    behind.hidden.append((step_id, output.query_start_loc[r.row]))
+                behind.end = r.num_computed_tokens
+                behinds[r.request_id] = behind
+                continue
+            self._released |= behind is not None
+            if (job := self._catch_up_job(r, output, behind)) is not None:
                 jobs.append(job)
         if jobs:
             self._catch_up(jobs, output)
@@ -181,27 +195,11 @@ class ModelDrafter:
         return DeviceDrafts(num_accepted, torch.stack([next_token, *drafts], dim=1))
 
     # ---- deferred catch-up ---------------------------------------------------------------------------
-    def _defers(self, r: DraftRequest, behind: _Behind | None) -> bool:
-        """Whether ``r``'s catch-up on this step waits: it does not draft, the step was one decode of an output
-        position (prompt positions are caught up at once: prefix caching shares their blocks), and fewer than
-        ``defer_limit`` positions are then due."""
-        due = (behind.end - behind.start if behind is not None else 0) + 1
-        return (not r.is_drafting and r.num_computed_tokens - r.step_start == 1
-                and r.step_start >= len(r.prompt_token_ids) and due <= self.defer_limit)
-
-    def _defer(self, r: DraftRequest, behind: _Behind | None, step_id: int | None,
-               output: ModelRunnerOutput) -> _Behind:
-        if behind is None:
-            behind = _Behind(r.step_start, r.step_start, [])
-        if self.uses_target_hidden:
-            behind.hidden.append((step_id, output.query_start_loc[r.row]))
-        behind.end = r.num_computed_tokens
-        return behind
-
     def _drop_unheld(self) -> None:
         """Release the held steps' hidden states that no deferred catch-up reads any more (ids grow with time)."""
-        if not self._held:
+        if not self._released or not self._held:
             return
+        self._released = False
         oldest = min((b.hidden[0][0] for b in self._behind.values() if b.hidden), default=None)
         for step_id in [i for i in self._held if oldest is None or i < oldest]:
             del self._held[step_id]

@@ -28,6 +28,8 @@ MIN_BUCKETS = 64
 class NgramProposer:
     """Prompt-lookup drafts from one ``NgramIndex`` per request, kept from its first drafting step to its finish."""
 
+    catches_up = False  # a request's index catches up on its tokens when it drafts
+
     def __init__(self, num_speculative_tokens: int, prompt_lookup_min: int, prompt_lookup_max: int) -> None:
         self.k = num_speculative_tokens
         self.min_n = prompt_lookup_min
@@ -38,14 +40,17 @@ class NgramProposer:
                 finished_req_ids: list[str]) -> dict[str, Drafts]:
         """Drafts for each request that just got a new token (ngram drafts are one-hot: no probabilities).
         A request that does not draft this step is not indexed now: its next drafting step catches up."""
-        for request_id in finished_req_ids:  # first: a finished id may come back as a new request in this step
-            self.indexes.pop(request_id, None)
+        self.forget(finished_req_ids)  # first: a finished id may come back as a new request in this step
         drafts = {}
         for r in requests:
             if r.is_drafting:
                 limit = min(self.k, r.max_drafts)
                 drafts[r.request_id] = Drafts(self._index(r).lookup(limit) if limit > 0 else [])
         return drafts
+
+    def forget(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            self.indexes.pop(request_id, None)
 
     def _index(self, r: DraftRequest) -> "NgramIndex":
         """``r``'s index, caught up on its new tokens; a fresh one when ``r`` is new, is another request under a
