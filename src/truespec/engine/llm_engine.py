@@ -263,11 +263,16 @@ class LLMEngine:
         if self.proposer is None:
             return
         self.draft_length.forget(sched.finished_req_ids)
-        if not may_draft and not self.proposer.catches_up:  # ngram: nothing to index before a request drafts
+        indices: range | list[int] = range(len(sched.scheduled))
+        if not may_draft:  # nobody drafts
             self.proposer.forget(sched.finished_req_ids)
-            return
+            if not self.proposer.catches_up:  # ngram: nothing to index before a request drafts
+                return
+            if not shifted:  # a model drafter defers its decodes' catch-up without a DraftRequest each
+                indices = self.proposer.defer_decodes(sched.scheduled, output)
         requests = []
-        for i, r in enumerate(sched.scheduled):
+        for i in indices:
+            r = sched.scheduled[i]
             seq = self.seqs.get(r.request_id)
             if seq is None or seq.is_finished:
                 continue

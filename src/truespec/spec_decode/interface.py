@@ -56,6 +56,10 @@ class Proposer(Protocol):
         """Drop what is kept for these finished requests."""
         ...
 
+    # a proposer that ``catches_up`` also has ``defer_decodes(scheduled, output) -> list[int]``: after a step after
+    # which nobody drafts, it takes what it can from the step's scheduled requests directly and returns the indices
+    # of those ``propose`` must still see (ModelDrafter: the decodes' catch-up is deferred)
+
     def propose(self, requests: list[DraftRequest], output: ModelRunnerOutput,
                 finished_req_ids: list[str]) -> dict[str, Drafts]:
         """Drafts for the requests with ``is_drafting``, by request id (absent: none)."""

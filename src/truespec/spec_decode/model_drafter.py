@@ -30,6 +30,7 @@ from itertools import count
 
 import torch
 
+from truespec.core.scheduler_output import ScheduledRequest
 from truespec.kv_cache.layout import allocate_caches, state_bytes_per_slot
 from truespec.layers.sampler import probabilities, request_generator
 from truespec.spec_decode.device_drafts import DeviceDrafts, greedy_accepted
@@ -83,6 +84,7 @@ class ModelDrafter:
         self._behind: dict[str, _Behind] = {}  # requests whose catch-up is deferred
         self._held: dict[int, torch.Tensor] = {}  # steps' hidden states a deferred catch-up reads, by id
         self._released = False  # a deferred catch-up ended since ``_held`` was last pruned
+        self._held_last: tuple[torch.Tensor, int] | None = None  # the latest held step's hidden states and id
         self._step_ids = count()
         allocate_caches(head, num_blocks, graphs.block_size, num_state_slots, device, kv_cache_dtype)
         # 1 + k forwards per step, and the host may queue the next step's before the device ends this one's
@@ -114,26 +116,14 @@ class ModelDrafter:
     def propose(self, requests: list[DraftRequest], output: ModelRunnerOutput,
                 finished_req_ids: list[str]) -> dict[str, Drafts]:
         self.forget(finished_req_ids)
-        step_id = None  # this step's id in ``_held``, once a request defers
-        jobs, behinds, limit = [], self._behind, self.defer_limit
+        jobs = []
         for r in requests:
-            behind = behinds.pop(r.request_id, None)
-            if behind is not None and behind.end != r.step_start:  # restarted since: recomputed from its start
-                behind, self._released = None, True
-            # deferred: it does not draft, the step was one decode of an output position (prompt positions are
-            # caught up at once: prefix caching shares their blocks), and at most ``defer_limit`` positions are due
+            behind = self._take_behind(r.request_id, r.step_start)
+            # deferred: it does not draft and the step was one decode of an output position (prompt positions are
+            # caught up at once: prefix caching shares their blocks), unless ``defer_limit`` positions are due
             if (not r.is_drafting and r.num_computed_tokens - r.step_start == 1
                     and r.step_start >= len(r.prompt_token_ids)
-                    and (behind.end - behind.start if behind is not None else 0) < limit):
-                if behind is None:
-                    behind = _Behind(r.step_start, r.step_start, [])
-                if self.uses_target_hidden:
-                    if step_id is None:
-                        step_id = next(self._step_ids)
-                        self._held[step_id] = output.hidden_states
-                    behind.hidden.append((step_id, output.query_start_loc[r.row]))
-                behind.end = r.num_computed_tokens
-                behinds[r.request_id] = behind
+                    and self._defer(r.request_id, r.step_start, output.query_start_loc[r.row], behind, output)):
                 continue
             self._released |= behind is not None
             if (job := self._catch_up_job(r, output, behind)) is not None:
@@ -195,6 +185,48 @@ class ModelDrafter:
         return DeviceDrafts(num_accepted, torch.stack([next_token, *drafts], dim=1))
 
     # ---- deferred catch-up ---------------------------------------------------------------------------
+    def defer_decodes(self, scheduled: list[ScheduledRequest], output: ModelRunnerOutput) -> list[int]:
+        """A step after which nobody drafts (the next one is queued as plain decodes): defer the catch-up of each of
+        its one-row decodes of an output position without building a ``DraftRequest``. Returns the indices of the
+        other requests, which ``propose`` then catches up (or defers, as it decides)."""
+        rest = []
+        for i, r in enumerate(scheduled):
+            start = r.num_computed_tokens
+            if r.num_scheduled_tokens == 1 and r.is_last_chunk and start >= r.prompt_len:
+                behind = self._take_behind(r.request_id, start)
+                if self._defer(r.request_id, start, output.query_start_loc[i], behind, output):
+                    continue
+                if behind is not None:  # ``defer_limit`` positions due: propose catches up on them
+                    self._behind[r.request_id] = behind
+            rest.append(i)
+        return rest
+
+    def _take_behind(self, request_id: str, step_start: int) -> _Behind | None:
+        """The request's deferred positions, taken out; None if it has none, or was restarted since (preempted: its
+        deferred positions do not end where its step starts, and its re-prefill recomputes them)."""
+        behind = self._behind.pop(request_id, None)
+        if behind is not None and behind.end != step_start:
+            behind, self._released = None, True
+        return behind
+
+    def _defer(self, request_id: str, start: int, row: int, behind: _Behind | None,
+               output: ModelRunnerOutput) -> bool:
+        """Add the one position ``start`` (its target hidden state in ``row`` of the step) to the request's deferred
+        catch-up; False (nothing done) if ``defer_limit`` positions are already due."""
+        if behind is None:
+            behind = _Behind(start, start, [])
+        if behind.end - behind.start >= self.defer_limit:
+            return False
+        if self.uses_target_hidden:
+            hidden = output.hidden_states
+            if self._held_last is None or self._held_last[0] is not hidden:
+                self._held_last = (hidden, next(self._step_ids))
+                self._held[self._held_last[1]] = hidden
+            behind.hidden.append((self._held_last[1], row))
+        behind.end = start + 1
+        self._behind[request_id] = behind
+        return True
+
     def _drop_unheld(self) -> None:
         """Release the held steps' hidden states that no deferred catch-up reads any more (ids grow with time)."""
         if not self._released or not self._held:
@@ -203,6 +235,8 @@ class ModelDrafter:
         oldest = min((b.hidden[0][0] for b in self._behind.values() if b.hidden), default=None)
         for step_id in [i for i in self._held if oldest is None or i < oldest]:
             del self._held[step_id]
+        if self._held_last is not None and self._held_last[1] not in self._held:
+            self._held_last = None
 
     # ---- catch-up ------------------------------------------------------------------------------------
     def _catch_up_job(self, r: DraftRequest, output: ModelRunnerOutput, behind: _Behind | None = None) -> _Job | None:
