@@ -140,3 +140,21 @@ def test_preemption_and_aborts_while_behind(tiny_models: dict[str, Path],
         engine.step()
     engine.step()  # a step that reports the last finish to the drafter (there is nothing to run)
     assert not engine.proposer._behind and not engine.proposer._held
+
+
+def test_requests_whose_drafts_do_not_pay_still_catch_up_at_once(tiny_models: dict[str, Path],
+                                                                 hybrid_with_heads: dict[str, Path]) -> None:
+    """A random MTP head: few drafts are accepted, so the draft-length policy gives requests 0 drafts, but drafting
+    is on: their catch-up is not deferred (it would hold their batch on host-planned steps: a request behind cannot
+    draft on the device), and the verifies stay queued ahead."""
+    target = str(hybrid_with_heads["target"])
+    prompts = random_prompts([40, 12, 60, 25], seed=3)
+    greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    base = LLM(target, dtype="float64", device="cpu", max_model_len=256)
+    reference = [o.outputs[0].token_ids for o in base.generate(prompts, greedy, use_tqdm=False)]
+    llm = LLM(target, dtype="float64", device="cpu", max_model_len=256, async_scheduling=True,
+              speculative_config=SPEC["mtp"])
+    tokens, _, deferred = run(llm, prompts, greedy, 64)
+    m = llm.get_metrics()
+    assert tokens == reference and m["num_draft_skips"] > 0 and deferred == 0, m
+    assert llm.llm_engine.overlap.num_async_steps >= 0.3 * m["num_steps"], m

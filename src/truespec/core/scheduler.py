@@ -60,6 +60,11 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    @property
+    def unreported_finished_ids(self) -> list[str]:
+        """Requests finished since the last step that ran (the next one reports them); a copy."""
+        return list(self._finished_ids)
+
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         if self.prefix.is_enabled:

@@ -194,6 +194,8 @@ class LLMEngine:
             if not sched.scheduled:
                 if self.governor is not None:
                     self.governor.pause()  # idle: the next step's interval is not its cost
+                if self.proposer is not None:  # idle: drop what it keeps for finished requests (deferred catch-ups)
+                    self.proposer.forget(self.scheduler.unreported_finished_ids)
                 return []
             try:
                 launched = launched or self.overlap.launch(sched)
@@ -270,6 +272,8 @@ class LLMEngine:
                 return
             if not shifted:  # a model drafter defers its decodes' catch-up without a DraftRequest each
                 indices = self.proposer.defer_decodes(sched.scheduled, output)
+        # whether drafting is on for the next step of a random / a greedy request (off: a drafter may defer)
+        is_on = (self.may_draft(False), self.may_draft(True)) if may_draft else (False, False)
         requests = []
         for i in indices:
             r = sched.scheduled[i]
@@ -282,7 +286,8 @@ class LLMEngine:
             requests.append(DraftRequest(
                 r.request_id, r.params, seq.prompt_token_ids, seq.output_token_ids, start,
                 seq.num_computed_tokens, i, r.block_ids, r.first_state_slot, num_drafts > 0,
-                num_drafts and min(num_drafts, self.scheduler.max_drafts(seq))))  # max_drafts is never negative
+                num_drafts and min(num_drafts, self.scheduler.max_drafts(seq)),  # max_drafts is never negative
+                not is_on[r.params.is_greedy]))
         drafts = self.proposer.propose(requests, output, sched.finished_req_ids)
         for request_id, d in drafts.items():
             seq = self.seqs[request_id]

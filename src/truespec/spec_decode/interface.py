@@ -31,6 +31,10 @@ class DraftRequest:
     first_state_slot: int
     is_drafting: bool  # draft for its next step (it got a new token and drafts pay; False: catch up only)
     max_drafts: int  # at most this many drafts (0 when not drafting)
+    # drafting is off for its next step (the governor, disable_by_batch_size), not merely unprofitable for it: a
+    # drafter may defer its catch-up (a request whose draft length is 0 still probes soon, and with MTP / EAGLE
+    # queued ahead a request left behind would keep its whole batch on host-planned steps)
+    may_defer: bool = False
 
     @property
     def num_tokens(self) -> int:

@@ -15,10 +15,11 @@ and rejected drafts need no rollback.
 Draft j (j >= 1) is fed at position ``num_computed_tokens + offset - 1 + j``; the scheduler allocated blocks
 for up to ``num_speculative_tokens`` positions past the step's query (its lookahead).
 
-While a request does not draft, the catch-up of its plain decode steps is *deferred*: the drafter only notes the
-positions (and, for a head, which step's hidden-state row each came from: the runner hands out a fresh tensor per
-step, kept alive here) and catches up on all of them at once when the request drafts again, when ``DEFER_LIMIT``
-positions are due, or when a step of it is not a plain decode. So a step that drafts nothing costs what a step
+While drafting is off for a request (the governor, disable_by_batch_size: ``DraftRequest.may_defer``), the catch-up of
+its plain decode steps is *deferred*: the drafter only notes the positions (and, for a head, which step's hidden-state
+row each came from: the runner hands out a fresh tensor per step, kept alive here) and catches up on all of them at
+once when the request drafts again, when ``DEFER_LIMIT`` positions are due, or when a step of it is not a plain
+decode. So a step that drafts nothing costs what a step
 without speculation costs (engine/async_scheduler.py queues such steps ahead as plain decodes). The deferred
 positions' KV is the same as caught up step by step (each catch-up row is computed alone, invariant 4), so the drafts
 after it are too. A request restarted since (preempted: its step starts before the deferred positions end) forgets
@@ -119,9 +120,9 @@ class ModelDrafter:
         jobs = []
         for r in requests:
             behind = self._take_behind(r.request_id, r.step_start)
-            # deferred: it does not draft and the step was one decode of an output position (prompt positions are
-            # caught up at once: prefix caching shares their blocks), unless ``defer_limit`` positions are due
-            if (not r.is_drafting and r.num_computed_tokens - r.step_start == 1
+            # deferred: drafting is off for its next step and the step was one decode of an output position (prompt
+            # positions are caught up at once: prefix caching shares their blocks), unless ``defer_limit`` are due
+            if (r.may_defer and r.num_computed_tokens - r.step_start == 1
                     and r.step_start >= len(r.prompt_token_ids)
                     and self._defer(r.request_id, r.step_start, output.query_start_loc[r.row], behind, output)):
                 continue
