@@ -1,8 +1,9 @@
-"""A model drafter's deferred catch-up (spec_decode/model_drafter.py): while a request does not draft, its plain decode
-steps skip the drafter and run as steps without speculation do (queued ahead); when it drafts again, or
-``defer_limit`` positions are due, the drafter catches up on all of them in one forward. The tokens are those without
-speculation, and the drafts are those of catching up after every step (the drafter's cache ends up the same), for
-MTP, EAGLE and a draft model, float64, queued ahead and host-planned, with preemption, aborts and nothing leaked."""
+"""A model drafter's deferred catch-up (spec_decode/deferred_catch_up.py): while a request's drafting is off, its
+plain decode steps skip the drafter and run as steps without speculation do (queued ahead); when it drafts again, or
+``DeferredCatchUp.limit`` positions are due, the drafter catches up on all of them in one forward. The tokens are
+those without speculation, and the drafts are those of catching up after every step (the drafter's cache ends up the
+same), for MTP, EAGLE and a draft model, float64, queued ahead and host-planned, with preemption, aborts and nothing
+leaked; a request whose drafts merely do not pay is not deferred."""
 
 import json
 from pathlib import Path
@@ -49,7 +50,7 @@ def run(llm: LLM, prompts: list[str], params: list[SamplingParams] | SamplingPar
     (with deferred positions) after it."""
     engine = llm.llm_engine
     drafter = engine.proposer
-    drafter.defer_limit = defer_limit
+    drafter.deferred.limit = defer_limit
     accepted: dict[str, list[int]] = {}
     engine.update_hooks.append(lambda seq, n: accepted.setdefault(seq.request_id, []).append(n))
     deferred = [0]
@@ -57,13 +58,13 @@ def run(llm: LLM, prompts: list[str], params: list[SamplingParams] | SamplingPar
 
     def counting(*args: object) -> object:
         drafts = propose(*args)
-        deferred[0] += len(drafter._behind)
+        deferred[0] += len(drafter.deferred.behind)
         return drafts
 
     drafter.propose = counting
     tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     engine.step()  # nothing to run: it reports the last finishes to the drafter
-    assert not drafter._behind and not drafter._held  # nothing kept for finished requests
+    assert not drafter.deferred.behind and not drafter.deferred.held  # nothing kept for finished requests
     info = llm.cache_info()
     assert info["num_free_blocks"] == info["num_blocks"] and info["num_free_state_slots"] == info["num_state_slots"]
     return tokens, list(accepted.values()), deferred[0]
@@ -133,13 +134,13 @@ def test_preemption_and_aborts_while_behind(tiny_models: dict[str, Path],
     ids = [engine.add_request(p, greedy) for p in prompts[:4]]
     for _ in range(12):
         engine.step()
-    assert engine.proposer._behind  # some are behind now
+    assert engine.proposer.deferred.behind  # some are behind now
     for request_id in ids[:3]:
         engine.abort_request(request_id)
     while engine.has_unfinished_requests():
         engine.step()
     engine.step()  # a step that reports the last finish to the drafter (there is nothing to run)
-    assert not engine.proposer._behind and not engine.proposer._held
+    assert not engine.proposer.deferred.behind and not engine.proposer.deferred.held
 
 
 def test_requests_whose_drafts_do_not_pay_still_catch_up_at_once(tiny_models: dict[str, Path],

@@ -73,7 +73,7 @@ class AsyncScheduler:
             # while the next steps may not draft (the governor, disable_by_batch_size), the drafter defers its
             # catch-up (``ModelDrafter.propose``) and the next step is queued as a plain decode
             drafting = self.may_draft is None or self.may_draft()
-            if drafting or not self.drafter.defer_limit:
+            if drafting or not self.drafter.deferred.limit:
                 step.device_drafts = self.drafter.draft_on_device(
                     step.rows, step.positions, step.output.hidden_states, step.argmax, step.inputs, shift,
                     sched.finished_req_ids, self.drafter.k if drafting else 0)
@@ -134,7 +134,7 @@ class AsyncScheduler:
     def _drafts_on_device(self, sched: SchedulerOutput, is_ahead: bool) -> bool:
         """Whether the drafter drafts behind this step on the device: every request is a greedy decode or verify
         without logprobs, and its blocks cover the drafts' positions (a step planned ahead allocated them)."""
-        if self.drafter is None or self.drafter.is_behind([r.request_id for r in sched.scheduled]):
+        if self.drafter is None or self.drafter.deferred.is_behind([r.request_id for r in sched.scheduled]):
             return False  # a request whose catch-up was deferred catches up on the host (``ModelDrafter.propose``)
         reach = self.drafter.k - 1 if not is_ahead else 0  # the last draft's position past the query
         block_size = self.scheduler.kv.block_size

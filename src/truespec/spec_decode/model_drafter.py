@@ -15,43 +15,24 @@ and rejected drafts need no rollback.
 Draft j (j >= 1) is fed at position ``num_computed_tokens + offset - 1 + j``; the scheduler allocated blocks
 for up to ``num_speculative_tokens`` positions past the step's query (its lookahead).
 
-While drafting is off for a request (the governor, disable_by_batch_size: ``DraftRequest.may_defer``), the catch-up of
-its plain decode steps is *deferred*: the drafter only notes the positions (and, for a head, which step's hidden-state
-row each came from: the runner hands out a fresh tensor per step, kept alive here) and catches up on all of them at
-once when the request drafts again, when ``DEFER_LIMIT`` positions are due, or when a step of it is not a plain
-decode. So a step that drafts nothing costs what a step
-without speculation costs (engine/async_scheduler.py queues such steps ahead as plain decodes). The deferred
-positions' KV is the same as caught up step by step (each catch-up row is computed alone, invariant 4), so the drafts
-after it are too. A request restarted since (preempted: its step starts before the deferred positions end) forgets
-them: its re-prefill recomputes them.
+While drafting is off for a request, the catch-up of its plain decode steps waits (deferred_catch_up.py), so such a
+step costs what a step without speculation costs; the drafter catches up on those positions with its next catch-up.
 """
 
 from dataclasses import dataclass, field
-from itertools import count
 
 import torch
 
 from truespec.core.scheduler_output import ScheduledRequest
 from truespec.kv_cache.layout import allocate_caches, state_bytes_per_slot
 from truespec.layers.sampler import probabilities, request_generator
+from truespec.spec_decode.deferred_catch_up import Behind, DeferredCatchUp
 from truespec.spec_decode.device_drafts import DeviceDrafts, greedy_accepted
 from truespec.spec_decode.draft_chain import DraftChain
 from truespec.spec_decode.interface import DraftRequest, Drafts
 from truespec.worker.graph_runner import GraphRunner, GraphSettings
 from truespec.worker.input_builder import ContextRow, StepInputs
 from truespec.worker.runner_output import ModelRunnerOutput
-
-DEFER_LIMIT = 64  # positions a request's catch-up may fall behind while it does not draft
-
-
-@dataclass
-class _Behind:
-    """A request's deferred catch-up: positions ``start .. end - 1``; a head's hidden state of each, as (the id of
-    the step's hidden-state tensor in ``ModelDrafter._held``, row)."""
-
-    start: int
-    end: int
-    hidden: list[tuple[int, int]]
 
 
 @dataclass
@@ -81,12 +62,7 @@ class ModelDrafter:
         self.uses_target_hidden = bool(getattr(head, "uses_target_hidden", False))
         self.offset = 0 if self.uses_target_hidden else 1
         self._generators: dict[str, torch.Generator] = {}
-        self.defer_limit = DEFER_LIMIT  # 0: catch up after every step
-        self._behind: dict[str, _Behind] = {}  # requests whose catch-up is deferred
-        self._held: dict[int, torch.Tensor] = {}  # steps' hidden states a deferred catch-up reads, by id
-        self._released = False  # a deferred catch-up ended since ``_held`` was last pruned
-        self._held_last: tuple[torch.Tensor, int] | None = None  # the latest held step's hidden states and id
-        self._step_ids = count()
+        self.deferred = DeferredCatchUp(keeps_hidden=self.uses_target_hidden)  # while a request's drafting is off
         allocate_caches(head, num_blocks, graphs.block_size, num_state_slots, device, kv_cache_dtype)
         # 1 + k forwards per step, and the host may queue the next step's before the device ends this one's
         self.graphs = GraphRunner(head, f"drafter ({type(head).__name__})", graphs, device, hidden_size, head.dtype,
@@ -106,32 +82,32 @@ class ModelDrafter:
         """Drop what the drafter keeps for finished requests."""
         for request_id in request_ids:
             self._generators.pop(request_id, None)
-            self._released |= self._behind.pop(request_id, None) is not None
-        self._drop_unheld()
+        self.deferred.forget(request_ids)
 
-    def is_behind(self, request_ids: list[str]) -> bool:
-        """Whether any of these requests has a deferred catch-up (its next step catches up on the host)."""
-        return bool(self._behind) and any(request_id in self._behind for request_id in request_ids)
+    def defer_decodes(self, scheduled: list[ScheduledRequest], output: ModelRunnerOutput) -> list[int]:
+        """After a step after which nobody drafts: defer its decodes' catch-up (``DeferredCatchUp.defer_decodes``);
+        the indices of the other requests, which ``propose`` must see."""
+        return self.deferred.defer_decodes(scheduled, output)
 
     @torch.inference_mode()
     def propose(self, requests: list[DraftRequest], output: ModelRunnerOutput,
                 finished_req_ids: list[str]) -> dict[str, Drafts]:
         self.forget(finished_req_ids)
-        jobs = []
+        jobs, deferred = [], self.deferred
         for r in requests:
-            behind = self._take_behind(r.request_id, r.step_start)
+            behind = deferred.take(r.request_id, r.step_start)
             # deferred: drafting is off for its next step and the step was one decode of an output position (prompt
-            # positions are caught up at once: prefix caching shares their blocks), unless ``defer_limit`` are due
+            # positions are caught up at once: prefix caching shares their blocks), unless its limit is due
             if (r.may_defer and r.num_computed_tokens - r.step_start == 1
                     and r.step_start >= len(r.prompt_token_ids)
-                    and self._defer(r.request_id, r.step_start, output.query_start_loc[r.row], behind, output)):
+                    and deferred.defer(r.request_id, r.step_start, output.query_start_loc[r.row], behind, output)):
                 continue
-            self._released |= behind is not None
+            deferred.release(behind)
             if (job := self._catch_up_job(r, output, behind)) is not None:
                 jobs.append(job)
         if jobs:
             self._catch_up(jobs, output)
-        self._drop_unheld()
+        deferred.prune()
         if not jobs:
             return {}
         active = jobs
@@ -185,62 +161,8 @@ class ModelDrafter:
             drafts.append((logits if logits.dtype == torch.float64 else logits.float()).argmax(dim=-1))
         return DeviceDrafts(num_accepted, torch.stack([next_token, *drafts], dim=1))
 
-    # ---- deferred catch-up ---------------------------------------------------------------------------
-    def defer_decodes(self, scheduled: list[ScheduledRequest], output: ModelRunnerOutput) -> list[int]:
-        """A step after which nobody drafts (the next one is queued as plain decodes): defer the catch-up of each of
-        its one-row decodes of an output position without building a ``DraftRequest``. Returns the indices of the
-        other requests, which ``propose`` then catches up (or defers, as it decides)."""
-        rest = []
-        for i, r in enumerate(scheduled):
-            start = r.num_computed_tokens
-            if r.num_scheduled_tokens == 1 and r.is_last_chunk and start >= r.prompt_len:
-                behind = self._take_behind(r.request_id, start)
-                if self._defer(r.request_id, start, output.query_start_loc[i], behind, output):
-                    continue
-                if behind is not None:  # ``defer_limit`` positions due: propose catches up on them
-                    self._behind[r.request_id] = behind
-            rest.append(i)
-        return rest
-
-    def _take_behind(self, request_id: str, step_start: int) -> _Behind | None:
-        """The request's deferred positions, taken out; None if it has none, or was restarted since (preempted: its
-        deferred positions do not end where its step starts, and its re-prefill recomputes them)."""
-        behind = self._behind.pop(request_id, None)
-        if behind is not None and behind.end != step_start:
-            behind, self._released = None, True
-        return behind
-
-    def _defer(self, request_id: str, start: int, row: int, behind: _Behind | None,
-               output: ModelRunnerOutput) -> bool:
-        """Add the one position ``start`` (its target hidden state in ``row`` of the step) to the request's deferred
-        catch-up; False (nothing done) if ``defer_limit`` positions are already due."""
-        if behind is None:
-            behind = _Behind(start, start, [])
-        if behind.end - behind.start >= self.defer_limit:
-            return False
-        if self.uses_target_hidden:
-            hidden = output.hidden_states
-            if self._held_last is None or self._held_last[0] is not hidden:
-                self._held_last = (hidden, next(self._step_ids))
-                self._held[self._held_last[1]] = hidden
-            behind.hidden.append((self._held_last[1], row))
-        behind.end = start + 1
-        self._behind[request_id] = behind
-        return True
-
-    def _drop_unheld(self) -> None:
-        """Release the held steps' hidden states that no deferred catch-up reads any more (ids grow with time)."""
-        if not self._released or not self._held:
-            return
-        self._released = False
-        oldest = min((b.hidden[0][0] for b in self._behind.values() if b.hidden), default=None)
-        for step_id in [i for i in self._held if oldest is None or i < oldest]:
-            del self._held[step_id]
-        if self._held_last is not None and self._held_last[1] not in self._held:
-            self._held_last = None
-
     # ---- catch-up ------------------------------------------------------------------------------------
-    def _catch_up_job(self, r: DraftRequest, output: ModelRunnerOutput, behind: _Behind | None = None) -> _Job | None:
+    def _catch_up_job(self, r: DraftRequest, output: ModelRunnerOutput, behind: Behind | None = None) -> _Job | None:
         """``r``'s catch-up: its deferred positions, if any, then the step's."""
         start = behind.start if behind is not None else r.step_start
         end = r.num_computed_tokens + (self.offset if r.is_drafting else 0)
@@ -252,19 +174,6 @@ class ModelDrafter:
         rows = [(-1, first + i) for i in range(end - r.step_start)]  # -1: this step's hidden states
         return _Job(r, start, r.token_slice(start + 1, end + 1), (behind.hidden if behind else []) + rows)
 
-    def _hidden_in(self, jobs: list[_Job], output: ModelRunnerOutput) -> torch.Tensor:
-        """The target's hidden states the jobs' rows pair with, in order: this step's, and held steps' for deferred
-        positions."""
-        pairs = [pair for job in jobs for pair in job.hidden_rows]
-        held = sorted({step_id for step_id, _ in pairs if step_id >= 0})
-        if not held:
-            return output.hidden_states[[row for _, row in pairs]]
-        sources, base, offset = [output.hidden_states], {-1: 0}, output.hidden_states.shape[0]
-        for step_id in held:
-            sources.append(self._held[step_id])
-            base[step_id], offset = offset, offset + sources[-1].shape[0]
-        return torch.cat(sources)[[base[step_id] + row for step_id, row in pairs]]
-
     def _catch_up(self, jobs: list[_Job], output: ModelRunnerOutput) -> None:
         rows, input_ids, positions = [], [], []
         for job in jobs:
@@ -274,7 +183,8 @@ class ModelDrafter:
             rows.append(ContextRow(job.request.block_ids, job.start, n, src, base, n - keep, 0))
             input_ids += job.input_ids
             positions += range(job.start, job.start + n)
-        hidden_in = self._hidden_in(jobs, output) if self.uses_target_hidden else None
+        pairs = [pair for job in jobs for pair in job.hidden_rows]
+        hidden_in = self.deferred.gather(pairs, output) if self.uses_target_hidden else None
         # no prompt prefill in it: at most the step's 1 + k verified positions (and a draft model's new token)
         decode_only = all(len(job.input_ids) <= 1 + self.k + self.offset for job in jobs)
         hidden, _ = self.graphs.run(rows, input_ids, positions, hidden_in, decode_only)
