@@ -5,17 +5,15 @@ those without speculation, and the drafts are those of catching up after every s
 same), for MTP, EAGLE and a draft model, float64, queued ahead and host-planned, with preemption, aborts and nothing
 leaked; a request whose drafts merely do not pay is not deferred."""
 
-import json
 from pathlib import Path
 
 import pytest
 
-from helpers.engine import random_prompts
+from helpers.engine import generate, random_prompts
+from helpers.heldout import flip_every, heldout_reference
 from truespec import LLM, SamplingParams
 from truespec.assets import DEFAULT_DRAFT_MODEL_DIR, DEFAULT_EAGLE_DIR, DEFAULT_MODEL_DIR
-from truespec.spec_decode.governor import SpeculationGovernor
 
-PROMPTS = Path(__file__).resolve().parents[1] / "benchmarks" / "prompts" / "heldout.jsonl"
 GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
 SPEC = {"mtp": {"method": "mtp", "num_speculative_tokens": 3},
         "eagle": {"method": "eagle", "num_speculative_tokens": 3, "model": str(DEFAULT_EAGLE_DIR)},
@@ -25,23 +23,7 @@ SPEC = {"mtp": {"method": "mtp", "num_speculative_tokens": 3},
 @pytest.fixture(scope="module")
 def embedded() -> tuple[list[str], list[list[int]]]:
     """Four held-out prompts and the embedded model's greedy tokens for each, without speculation."""
-    rows = [json.loads(line) for line in PROMPTS.read_text().splitlines()]
-    prompts = [p for kind in ("edit", "chat") for p in [r["prompt"] for r in rows if r["kind"] == kind][:2]]
-    base = LLM(str(DEFAULT_MODEL_DIR), dtype="float64", device="cpu", max_model_len=2048)
-    return prompts, [o.outputs[0].token_ids for o in base.generate(prompts, GREEDY, use_tqdm=False)]
-
-
-def flip_every(governor: SpeculationGovernor, n: int) -> None:
-    """Make the governor's decisions alternate every ``n`` steps (as it decides: the same until a step ends)."""
-    observed = [0]
-    observe_step = governor.observe_step
-
-    def counting(*args: object) -> None:
-        observed[0] += 1
-        observe_step(*args)
-
-    governor.observe_step = counting
-    governor.is_drafting = lambda num_running: observed[0] // n % 2 == 0
+    return heldout_reference(GREEDY)
 
 
 def run(llm: LLM, prompts: list[str], params: list[SamplingParams] | SamplingParams,
@@ -122,8 +104,7 @@ def test_preemption_and_aborts_while_behind(tiny_models: dict[str, Path],
     target = str(hybrid_with_heads["target"])
     prompts = random_prompts([50, 8, 120, 30, 70, 12], seed=11)
     greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    base = LLM(target, dtype="float64", device="cpu", max_model_len=256)
-    reference = [o.outputs[0].token_ids for o in base.generate(prompts, greedy, use_tqdm=False)]
+    reference = generate(LLM(target, dtype="float64", device="cpu", max_model_len=256), prompts, greedy)
     llm = LLM(target, dtype="float64", device="cpu", max_model_len=256, async_scheduling=True,
               speculative_config=SPEC["mtp"] | {"disable_by_batch_size": 3}, num_gpu_blocks_override=24,
               max_num_batched_tokens=32)
@@ -151,8 +132,7 @@ def test_requests_whose_drafts_do_not_pay_still_catch_up_at_once(tiny_models: di
     target = str(hybrid_with_heads["target"])
     prompts = random_prompts([40, 12, 60, 25], seed=3)
     greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    base = LLM(target, dtype="float64", device="cpu", max_model_len=256)
-    reference = [o.outputs[0].token_ids for o in base.generate(prompts, greedy, use_tqdm=False)]
+    reference = generate(LLM(target, dtype="float64", device="cpu", max_model_len=256), prompts, greedy)
     llm = LLM(target, dtype="float64", device="cpu", max_model_len=256, async_scheduling=True,
               speculative_config=SPEC["mtp"])
     tokens, _, deferred = run(llm, prompts, greedy, 64)

@@ -3,13 +3,12 @@ measured throughput beats not drafting's; it explores the other mode now and the
 drafting back; prefill steps and idle gaps are not measured. In the engine it only gates drafts, so the tokens are
 those without speculation and those with the governor off, with ngram and MTP, host-planned and queued ahead."""
 
-import json
 import random
 from collections.abc import Callable
-from pathlib import Path
 
 import pytest
 
+from helpers.heldout import flip_every, heldout_reference
 from truespec import LLM, SamplingParams
 from truespec.assets import DEFAULT_MODEL_DIR
 from truespec.config import SpeculativeConfig
@@ -187,7 +186,6 @@ def test_governor_config_is_validated() -> None:
 
 # ---- engine ----------------------------------------------------------------------------------------------------
 
-PROMPTS = Path(__file__).resolve().parents[1] / "benchmarks" / "prompts" / "heldout.jsonl"
 GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
 SPEC = {"ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2},
         "mtp": {"method": "mtp", "num_speculative_tokens": 3}}
@@ -196,10 +194,7 @@ SPEC = {"ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup
 @pytest.fixture(scope="module")
 def embedded() -> tuple[list[str], list[list[int]]]:
     """Four held-out prompts and the embedded model's greedy tokens for each, without speculation."""
-    rows = [json.loads(line) for line in PROMPTS.read_text().splitlines()]
-    prompts = [p for kind in ("edit", "chat") for p in [r["prompt"] for r in rows if r["kind"] == kind][:2]]
-    base = LLM(str(DEFAULT_MODEL_DIR), dtype="float64", device="cpu", max_model_len=2048)
-    return prompts, [o.outputs[0].token_ids for o in base.generate(prompts, GREEDY, use_tqdm=False)]
+    return heldout_reference(GREEDY)
 
 
 def spec_llm(method: str, governor: str, async_scheduling: bool) -> LLM:
@@ -270,19 +265,6 @@ def test_random_requests_keep_drafting_so_seeded_ones_stay_reproducible(embedded
     m = llm.get_metrics()
     # the greedy requests stopped drafting; in some of those steps the random ones still verified drafts
     assert 0 < m["num_steps_without_drafts"] < m["num_steps_drafting_off"], m
-
-
-def flip_every(governor: SpeculationGovernor, n: int) -> None:
-    """Make the governor's decisions alternate every ``n`` steps (as it decides: the same until a step ends)."""
-    observed = [0]
-    observe_step = governor.observe_step
-
-    def counting(*args: object) -> None:
-        observed[0] += 1
-        observe_step(*args)
-
-    governor.observe_step = counting
-    governor.is_drafting = lambda num_running: observed[0] // n % 2 == 0
 
 
 @pytest.mark.parametrize("method", ["ngram", "mtp"])
