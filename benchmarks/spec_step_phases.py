@@ -72,7 +72,8 @@ def main() -> None:
         llm.generate(pool[:2], params, use_tqdm=False)
         engine, acc = llm.llm_engine, defaultdict(float)
         phases = [(engine.overlap, ["launch", "launch_next"]), (engine.runner, ["collect", "launch"]),
-                  (engine, ["_update", "_take_device_drafts", "_propose", "step"]), (engine.scheduler, ["schedule"]),
+                  (engine, ["_update", "step"]), (engine.handoff, ["take_device_drafts", "propose"]),
+                  (engine.scheduler, ["schedule"]),
                   (engine.proposer, ["draft_on_device"])]
         for obj, names in phases:
             for name in names:

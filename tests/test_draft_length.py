@@ -129,9 +129,14 @@ class WrongThenRight:
     """Drafts the reference continuation with its first token changed (always rejected) while a request has fewer
     than ``switch`` output tokens, the exact continuation after that (always accepted). Respects ``max_drafts``."""
 
+    catches_up = False  # keeps nothing per request (spec_decode/interface.py)
+
     def __init__(self, prompts: list[dict], reference: list[list[int]], switch: int) -> None:
         self.reference = {tuple(p["prompt_token_ids"]): r for p, r in zip(prompts, reference, strict=True)}
         self.switch, self.max_drafts = switch, []
+
+    def forget(self, request_ids: list[str]) -> None:
+        pass
 
     def propose(self, requests: list[DraftRequest], output: ModelRunnerOutput,
                 finished_req_ids: list[str]) -> dict[str, Drafts]:

@@ -150,6 +150,9 @@ class DraftRecorder:
     def __init__(self, inner: object) -> None:
         self.inner, self.first_drafts = inner, {}
 
+    def __getattr__(self, name: str) -> object:  # the rest of the proposer interface: the wrapped one's
+        return getattr(self.inner, name)
+
     def propose(self, requests: list, output: object, finished_req_ids: list[str]) -> dict:
         drafts = self.inner.propose(requests, output, finished_req_ids)
         for r in requests:

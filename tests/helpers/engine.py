@@ -46,9 +46,14 @@ class OracleProposer:
     alternates drafts / no drafts) and with one token corrupted at a changing position: every prefix
     length gets accepted at some step, which exercises the state hand-off after each of them."""
 
+    catches_up = False  # keeps nothing per request (spec_decode/interface.py)
+
     def __init__(self, reference: dict[tuple[int, ...], list[int]], k: int, vocab: int) -> None:
         self.reference, self.k, self.vocab, self.calls = reference, k, vocab, 0
         self.rng = random.Random(k)
+
+    def forget(self, request_ids: list[str]) -> None:
+        pass
 
     def continuation(self, r: DraftRequest) -> list[int]:
         """The reference tokens after ``r``'s known ones."""

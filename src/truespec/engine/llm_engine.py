@@ -13,6 +13,7 @@ from truespec.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from truespec.core.sequence import PLACEHOLDER, Sequence
 from truespec.engine.async_scheduler import AsyncScheduler, queued_steps
 from truespec.engine.draft_gate import draft_counter, draft_gate
+from truespec.engine.draft_handoff import DraftHandoff
 from truespec.engine.input_processor import InputProcessor, PromptType, Request
 from truespec.engine.output_processor import OutputProcessor
 from truespec.engine.parallel_sampling import ParentRequests
@@ -26,10 +27,9 @@ from truespec.layers.linear import set_batch_invariant
 from truespec.models.loader import load_model
 from truespec.outputs import RequestOutput
 from truespec.sampling_params import SamplingParams
-from truespec.spec_decode.device_drafts import DeviceDrafts
 from truespec.spec_decode.draft_length import DraftLengthPolicy
 from truespec.spec_decode.governor import SpeculationGovernor
-from truespec.spec_decode.interface import DraftRequest
+from truespec.spec_decode.interface import Proposer
 from truespec.spec_decode.metrics import SpecDecodeMetrics
 from truespec.spec_decode.model_drafter import ModelDrafter
 from truespec.spec_decode.proposer import (
@@ -94,12 +94,12 @@ class LLMEngine:
                                               config.max_num_batched_tokens)
         self.scheduler = Scheduler(self.kv, n, config.max_num_batched_tokens, num_lookahead_tokens(spec),
                                    config.long_prefill_token_threshold, self.gdn_rule)
-        self.proposer = make_proposer(spec, drafter, num_blocks, self.kv.num_state_slots, self.device, config.seed,
-                                      graphs, self.hf_config.hidden_size, cache.kv_cache_dtype)
+        proposer = make_proposer(spec, drafter, num_blocks, self.kv.num_state_slots, self.device, config.seed,
+                                 graphs, self.hf_config.hidden_size, cache.kv_cache_dtype)
         self.runner.graphs.warm_up(config.max_num_batched_tokens, num_blocks,  # compile now, not in a first prompt
                                    gdn_chunked=self.gdn_rule is not None)
-        if isinstance(self.proposer, ModelDrafter):
-            self.proposer.graphs.warm_up(config.max_num_batched_tokens, num_blocks)
+        if isinstance(proposer, ModelDrafter):
+            proposer.graphs.warm_up(config.max_num_batched_tokens, num_blocks)
         self.spec_metrics = SpecDecodeMetrics(k)
         self.draft_length = DraftLengthPolicy(k, spec.min_draft_acceptance if spec is not None else None)
         governs = spec is not None and spec.governor == "auto"
@@ -112,17 +112,29 @@ class LLMEngine:
         self.num_drafts = draft_counter(self.draft_length, self.spec_metrics, self.may_draft)
         self.seqs: dict[str, Sequence] = {}
         self.parents = ParentRequests()  # requests with n > 1, whose children are in seqs
+        # after each step the proposer's turn: propose, or take the drafts left on the device (``self.proposer``)
+        self.handoff = DraftHandoff(proposer, self.seqs, self.scheduler, self.draft_length, self.may_draft,
+                                    self.num_drafts)
         self.input_processor = InputProcessor(self.tokenizer, self.max_model_len, self.vocab_size,
                                               self.structured_outputs)
-        queue_decodes, queue_verifies = queued_steps(config.async_scheduling, self.device.type, self.proposer)
-        drafter = self.proposer if queue_verifies else None
+        queue_decodes, queue_verifies = queued_steps(config.async_scheduling, self.device.type, proposer)
+        drafter = proposer if queue_verifies else None
         self.overlap = AsyncScheduler(self.scheduler, self.runner, self.seqs, enabled=queue_decodes, drafter=drafter,
                                       num_drafts=self.num_drafts,
-                                      may_draft=self.may_draft if self.proposer is not None else None)
+                                      may_draft=self.may_draft if proposer is not None else None)
         # called after a request's tokens of a step are applied, with its number of accepted drafts (tests and
         # `truespec verify --debug-fault` observe or perturb the engine through these)
         self.update_hooks: list[Callable[[Sequence, int], None]] = []
         self._stepping = threading.Lock()  # held by the thread inside step()
+
+    @property
+    def proposer(self) -> Proposer | None:
+        """The drafts' source (None without speculation); tests may swap it."""
+        return self.handoff.proposer
+
+    @proposer.setter
+    def proposer(self, proposer: Proposer | None) -> None:
+        self.handoff.proposer = proposer
 
     @staticmethod
     def check_config(config: EngineConfig) -> tuple[CacheConfig, torch.device]:
@@ -194,8 +206,7 @@ class LLMEngine:
             if not sched.scheduled:
                 if self.governor is not None:
                     self.governor.pause()  # idle: the next step's interval is not its cost
-                if self.proposer is not None:  # idle: drop what it keeps for finished requests (deferred catch-ups)
-                    self.proposer.forget(self.scheduler.unreported_finished_ids)
+                self.handoff.forget_finished()  # idle: what the proposer keeps for finished requests
                 return []
             try:
                 launched = launched or self.overlap.launch(sched)
@@ -203,9 +214,9 @@ class LLMEngine:
                 output = self.runner.collect(launched)
                 updated = self._update(sched.scheduled, output, provisional=ahead == "decode")
                 if launched.device_drafts is None:
-                    self._propose(sched, output, may_draft=ahead != "decode", shifted=launched.shift is not None)
+                    self.handoff.propose(sched, output, may_draft=ahead != "decode", shifted=launched.shift is not None)
                 else:
-                    self._take_device_drafts(sched, output, launched.device_drafts, is_queued=ahead == "verify")
+                    self.handoff.take_device_drafts(sched, output, launched.device_drafts, is_queued=ahead == "verify")
             except BaseException:
                 self._restart(sched)
                 raise
@@ -256,57 +267,6 @@ class LLMEngine:
                 updated.append(seq)
         self.spec_metrics.observe_step(has_drafts)
         return updated
-
-    def _propose(self, sched: SchedulerOutput, output: ModelRunnerOutput, may_draft: bool, shifted: bool) -> None:
-        """Let the proposer catch up on the step and draft for the requests that got a new token (as many drafts as
-        the draft-length policy expects to pay for; none: the drafters only catch up on that request). Not
-        ``may_draft``: the next step is already queued as a decode, nobody drafts. ``shifted``: a step queued ahead
-        whose positions the device moved (its plan's start is as if the step before accepted nothing)."""
-        if self.proposer is None:
-            return
-        self.draft_length.forget(sched.finished_req_ids)
-        indices: range | list[int] = range(len(sched.scheduled))
-        if not may_draft:  # nobody drafts
-            self.proposer.forget(sched.finished_req_ids)
-            if not self.proposer.catches_up:  # ngram: nothing to index before a request drafts
-                return
-            if not shifted:  # a model drafter defers its decodes' catch-up without a DraftRequest each
-                indices = self.proposer.defer_decodes(sched.scheduled, output)
-        # whether drafting is on for the next step of a random / a greedy request (off: a drafter may defer)
-        is_on = (self.may_draft(False), self.may_draft(True)) if may_draft else (False, False)
-        requests = []
-        for i in indices:
-            r = sched.scheduled[i]
-            seq = self.seqs.get(r.request_id)
-            if seq is None or seq.is_finished:
-                continue
-            tokens = output.sampled_token_ids[i]
-            num_drafts = self.num_drafts(r.request_id, r.params.is_greedy) if may_draft and tokens else 0
-            start = seq.num_computed_tokens - len(tokens) if shifted else r.num_computed_tokens
-            requests.append(DraftRequest(
-                r.request_id, r.params, seq.prompt_token_ids, seq.output_token_ids, start,
-                seq.num_computed_tokens, i, r.block_ids, r.first_state_slot, num_drafts > 0,
-                num_drafts and min(num_drafts, self.scheduler.max_drafts(seq)),  # max_drafts is never negative
-                not is_on[r.params.is_greedy]))
-        drafts = self.proposer.propose(requests, output, sched.finished_req_ids)
-        for request_id, d in drafts.items():
-            seq = self.seqs[request_id]
-            seq.draft_token_ids, seq.draft_probs = d.token_ids, d.probs
-
-    def _take_device_drafts(self, sched: SchedulerOutput, output: ModelRunnerOutput, drafts: DeviceDrafts,
-                            is_queued: bool) -> None:
-        """After a step the drafter drafted behind on the device: the verify queued after it uses the drafts there;
-        if none was queued, each request that goes on takes what the draft-length policy gives it to the host."""
-        self.draft_length.forget(sched.finished_req_ids)
-        if is_queued:
-            return
-        next_ids = drafts.next_ids.tolist()  # waits for the drafter
-        for i, r in enumerate(sched.scheduled):
-            seq = self.seqs.get(r.request_id)
-            if seq is None or seq.is_finished or not output.sampled_token_ids[i]:
-                continue
-            num_drafts = min(self.num_drafts(r.request_id, True), self.scheduler.max_drafts(seq))  # greedy steps
-            seq.draft_token_ids, seq.draft_probs = next_ids[i][1:1 + num_drafts], None
 
     def _restart(self, sched: SchedulerOutput) -> None:
         """After an error in a step: every request of the step (and of a step queued after it) restarts from its
