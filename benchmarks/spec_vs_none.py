@@ -13,7 +13,10 @@ decode together, new ones joining as others finish); greedy, ignore_eos. One eng
 (method, b) first runs all its prompts once untimed (the governor measures in that run too). With ``--interleave R``
 all engines are built first and measured in turn, R rounds per batch size, each reporting its median run: the host's
 speed drifts between runs and processes (session 16: "none" alone 12,990 tok/s at BS 16, after another engine in one
-process 20,999), and alternating cancels slow drift. Prints a markdown table last.
+process 20,999), and alternating cancels slow drift. With a governor ("auto" methods), each JSON row also has
+``governor_steps``: per mode, the steps the governor counted and those it did not (prefill chunks, mode switches),
+with their request-seconds and tokens per request-second, to check its estimates against where the time went.
+Prints a markdown table last.
 """
 
 import argparse
@@ -46,6 +49,52 @@ METHODS |= {f"{name} {variant}": METHODS[name] | extra for name in ("ngram k=8",
             for variant, extra in (("no drafts", {"disable_by_batch_size": 1}), ("auto", {"governor": "auto"}))}
 
 
+class StepLog:
+    """Every step the governor hears of in the timed run, by its mode (drafting or not) and whether the governor
+    counted it (steps with a prefill chunk, beside a mode switch or in another bucket are not): request-seconds,
+    tokens and steps. Tells whether a mode's counted rate is its real one (session 16: MTP's drafting estimate was
+    3.3x too high at BS 64)."""
+
+    def __init__(self, llm: LLM) -> None:
+        self.governor = governor = llm.llm_engine.governor
+        self.totals: dict[str, list[float]] = {}
+        self.learned = False
+        observe, learn = governor.observe_step, governor._learn
+
+        def logged_learn(*args: object) -> None:
+            self.learned = True
+            learn(*args)
+
+        def logged_observe(num_tokens: int, num_requests: int, is_decode_only: bool) -> None:
+            last, cur, self.learned = governor._last_end, governor._cur, False
+            observe(num_tokens, num_requests, is_decode_only)
+            if self.enabled and last is not None and cur is not None:
+                key = f"{'drafting' if cur[1] else 'not_drafting'} {'counted' if self.learned else 'uncounted'}"
+                row = self.totals.setdefault(key, [0.0, 0, 0])
+                row[0] += num_requests * (governor._last_end - last)
+                row[1] += num_tokens
+                row[2] += 1
+
+        governor._learn, governor.observe_step = logged_learn, logged_observe
+        self.enabled = False
+
+    def summary(self) -> dict[str, dict[str, float]]:
+        return {key: {"steps": n, "tokens_per_request_s": tokens / seconds if seconds else None,
+                      "request_seconds": seconds} for key, (seconds, tokens, n) in sorted(self.totals.items())}
+
+
+_step_logs: dict[int, StepLog] = {}
+
+
+def step_log(llm: LLM) -> StepLog | None:
+    """The engine's StepLog (one per engine: it wraps the governor's methods once); None without a governor."""
+    if llm.llm_engine.governor is None:
+        return None
+    if id(llm) not in _step_logs:
+        _step_logs[id(llm)] = StepLog(llm)
+    return _step_logs[id(llm)]
+
+
 def measure(llm: LLM, prompts: list[str], batch_size: int, max_tokens: int,
             warm_up: bool = True) -> dict[str, float | None]:
     engine = llm.llm_engine
@@ -57,11 +106,16 @@ def measure(llm: LLM, prompts: list[str], batch_size: int, max_tokens: int,
         llm.generate(prompts, params, use_tqdm=False)
     before = llm.get_metrics()
     llm.reset_prefix_cache()  # the warm-up's prompts would skip their prefill
+    log = step_log(llm)
+    if log is not None:
+        log.totals, log.enabled = {}, True
     torch.cuda.synchronize()
     start = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     torch.cuda.synchronize()
     elapsed = time.perf_counter() - start
+    if log is not None:
+        log.enabled = False
     after = llm.get_metrics()
     drafts = after["num_drafts"] - before["num_drafts"]
     accepted = after["num_accepted_tokens"] - before["num_accepted_tokens"]
@@ -74,7 +128,7 @@ def measure(llm: LLM, prompts: list[str], batch_size: int, max_tokens: int,
             if steps else None,
             "steps_drafting_off": (after["num_steps_drafting_off"] - before["num_steps_drafting_off"]) / steps
             if steps else None, "governor_drafting": after["governor_drafting"],
-            "governor_rates": after["governor_rates"]}
+            "governor_rates": after["governor_rates"], "governor_steps": log.summary() if log is not None else None}
 
 
 def main() -> None:
