@@ -139,3 +139,21 @@ def test_requests_whose_drafts_do_not_pay_still_catch_up_at_once(tiny_models: di
     m = llm.get_metrics()
     assert tokens == reference and m["num_draft_skips"] > 0 and deferred == 0, m
     assert llm.llm_engine.overlap.num_async_steps >= 0.3 * m["num_steps"], m
+
+
+def test_seeded_random_requests_draw_the_same_tokens_with_a_deferred_catch_up(embedded: tuple) -> None:
+    """disable_by_batch_size gates random requests too: their catch-up is deferred while three or more run. The
+    drafter's KV after catching up is the one of catching up every step and its draws come from the request's own
+    stream, so seeded requests draw the same tokens with and without deferring (host-planned: the same steps)."""
+    prompts, reference = embedded
+    params = [GREEDY, SamplingParams(temperature=0.8, seed=7, max_tokens=40, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
+              SamplingParams(temperature=1.0, top_p=0.9, seed=8, max_tokens=30, ignore_eos=True)]
+    runs = {}
+    for limit in (0, 64):
+        llm = LLM(str(DEFAULT_MODEL_DIR), dtype="float64", device="cpu", max_model_len=2048,
+                  speculative_config=SPEC["mtp"] | {"disable_by_batch_size": 3})
+        runs[limit] = run(llm, prompts, params, limit)
+    assert runs[64][0] == runs[0][0] and runs[64][1] == runs[0][1]
+    assert runs[64][0][0] == reference[0]
+    assert runs[64][2] > 0 and runs[0][2] == 0  # deferred with the limit, not without
