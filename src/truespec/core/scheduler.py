@@ -170,12 +170,17 @@ class Scheduler:
         return max(0, min(self.max_num_batched_tokens - 1, seq.max_output_len - len(seq.output_token_ids) - 1))
 
     def _num_tokens_to_hold(self, seq: Sequence, n: int, drafts: list[int]) -> int:
-        """Positions the request's blocks must cover after this step: its query, plus the lookahead a model
-        drafter writes after a last chunk (never past the request's longest possible length)."""
+        """Positions the request's blocks must cover after this step: its query, plus the lookahead after a last
+        chunk (``hold_after_last_chunk``)."""
         end = seq.num_computed_tokens + n + len(drafts)
-        if end == seq.num_tokens + len(drafts) and self.num_lookahead_tokens:
-            end = min(end + self.num_lookahead_tokens, seq.prompt_len + seq.max_output_len)
-        return end
+        return self.hold_after_last_chunk(seq, end) if end == seq.num_tokens + len(drafts) else end
+
+    def hold_after_last_chunk(self, seq: Sequence, end: int) -> int:
+        """Positions the request's blocks must cover after a step whose query (its last chunk) ends at ``end``: the
+        query plus the lookahead a model drafter writes after it, never past the request's longest possible length."""
+        if not self.num_lookahead_tokens:
+            return end
+        return min(end + self.num_lookahead_tokens, seq.prompt_len + seq.max_output_len)
 
     def _scheduled_request(self, seq: Sequence, n: int, drafts: list[int], num_tokens: int) -> ScheduledRequest:
         """Allocate the blocks for ``num_tokens`` positions and describe the step's work for the runner."""

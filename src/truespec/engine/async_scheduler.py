@@ -114,8 +114,7 @@ class AsyncScheduler:
             if (not r.is_last_chunk or r.draft_token_ids or not p.is_greedy or p.logprobs is not None
                     or r.prompt_logprob_token_ids or len(seq.output_token_ids) + 2 > seq.max_output_len):
                 return None
-            end = seq.num_computed_tokens + r.num_new_tokens + 1  # and a model drafter's lookahead, as planned
-            end = min(end + sched.num_lookahead_tokens, seq.prompt_len + seq.max_output_len)
+            end = sched.hold_after_last_chunk(seq, seq.num_computed_tokens + r.num_new_tokens + 1)  # as planned
             blocks += sched.kv.num_blocks_needed(seq.request_id, end)
         return seqs if blocks <= sched.kv.num_free_blocks else None
 

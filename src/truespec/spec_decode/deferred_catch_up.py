@@ -111,8 +111,8 @@ class DeferredCatchUp:
 
     def gather(self, pairs: list[tuple[int, int]], output: ModelRunnerOutput) -> torch.Tensor:
         """The hidden states of (step id, row) pairs, in order: step id -1 is ``output``'s, others held ones."""
-        held = sorted({step_id for step_id, _ in pairs if step_id >= 0})
-        if not held:
+        held = sorted({step_id for step_id, _ in pairs if step_id >= 0}) if self.held else []
+        if not held:  # nothing deferred (the usual catch-up): this step's rows only
             return output.hidden_states[[row for _, row in pairs]]
         sources, base, offset = [output.hidden_states], {-1: 0}, output.hidden_states.shape[0]
         for step_id in held:
