@@ -15,6 +15,7 @@ spec_vs_none.py does (its graphs, drafter chain and caches are then sized for N)
 
 import argparse
 import json
+import statistics
 import time
 from pathlib import Path
 
@@ -29,11 +30,27 @@ CONFIGS = {
     "none": (None, {}),
     "mtp k=3": ({"method": "mtp", "num_speculative_tokens": 3}, {"async_scheduling": False}),
     "mtp k=3 ahead": ({"method": "mtp", "num_speculative_tokens": 3}, {"async_scheduling": True}),
+    "mtp k=3 no drafts": ({"method": "mtp", "num_speculative_tokens": 3, "disable_by_batch_size": 1},
+                         {"async_scheduling": True}),
     "eagle k=3": ({"method": "eagle", "num_speculative_tokens": 3, "model": str(DEFAULT_EAGLE_DIR)},
                   {"async_scheduling": False}),
     "eagle k=3 ahead": ({"method": "eagle", "num_speculative_tokens": 3, "model": str(DEFAULT_EAGLE_DIR)},
                         {"async_scheduling": True}),
 }
+
+
+def timed_steps(llm: LLM) -> list[float]:
+    """Time each ``engine.step`` of ``llm`` (ms) into the returned list, until ``del llm.llm_engine.step``."""
+    engine, times = llm.llm_engine, []
+    step = engine.step
+
+    def timed() -> object:
+        start = time.perf_counter()
+        out = step()
+        times.append(1e3 * (time.perf_counter() - start))
+        return out
+    engine.step = timed
+    return times
 
 
 def main() -> None:
@@ -56,11 +73,13 @@ def main() -> None:
         llm.llm_engine.scheduler.max_num_seqs = args.batch_size  # a benchmark-only knob, as spec_vs_none.py
         llm.generate(prompts, params, use_tqdm=False)
         steps_before = llm.get_metrics().get("num_steps", 0)
+        step_ms = timed_steps(llm)
         torch.cuda.synchronize()
         start = time.perf_counter()
         llm.generate(prompts, params, use_tqdm=False)
         torch.cuda.synchronize()
         wall = time.perf_counter() - start
+        del llm.llm_engine.step  # the engine's own step again
         steps = llm.get_metrics().get("num_steps", 0) - steps_before
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             llm.generate(prompts, params, use_tqdm=False)
@@ -68,6 +87,8 @@ def main() -> None:
         print(f"\n=== {name}: {1e3 * wall:.1f} ms for {args.max_tokens} tokens x {args.batch_size}, {steps} steps "
               f"({1e3 * wall / max(steps, 1):.3f} ms / step), async steps "
               f"{llm.llm_engine.overlap.num_async_steps}")
+        print(f"step ms: median {statistics.median(step_ms):.3f}, slowest "
+              + " ".join(f"{t:.2f}" for t in sorted(step_ms)[-8:]) + f", sum {sum(step_ms):.1f}")
         events = prof.key_averages()
         gpu_us = sum(e.self_device_time_total for e in events)
         kernels = sum(e.count for e in events if e.self_device_time_total > 0 and e.self_cpu_time_total == 0)

@@ -42,6 +42,10 @@ METHODS = {
 # after the previous one's read (async_scheduling=False, as every speculative step was before session 15)
 METHODS |= {f"{name} host-planned": METHODS[name] for name in ("mtp k=3", "eagle k=3")}
 ENGINE_KWARGS = {f"{name} host-planned": {"async_scheduling": False} for name in ("mtp k=3", "eagle k=3")}
+# "host-drafted": ngram drafts on the host after each step is read, as before session 17 (its verifies are planned on
+# the host; plain decodes still queue ahead)
+METHODS["ngram k=8 host-drafted"] = METHODS["ngram k=8"]
+HOST_DRAFTED = {"ngram k=8 host-drafted"}
 # "no drafts": disable_by_batch_size 1, so no step drafts: what a step the governor turns off costs each method;
 # "auto": the speculation governor on (spec_decode/governor.py)
 METHODS |= {f"{name} {variant}": METHODS[name] | extra for name in ("ngram k=8", "mtp k=3", "eagle k=3",
@@ -95,6 +99,27 @@ def step_log(llm: LLM) -> StepLog | None:
     return _step_logs[id(llm)]
 
 
+class GCTimer:
+    """Time spent in Python's cyclic garbage collector (every generation) since ``reset``."""
+
+    def __init__(self) -> None:
+        self.ms, self.runs, self._start = 0.0, [0, 0, 0], 0.0
+        gc.callbacks.append(self._on_gc)
+
+    def reset(self) -> None:
+        self.ms, self.runs = 0.0, [0, 0, 0]
+
+    def _on_gc(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            self.ms += 1e3 * (time.perf_counter() - self._start)
+            self.runs[info["generation"]] += 1
+
+
+gc_timer = GCTimer()
+
+
 def measure(llm: LLM, prompts: list[str], batch_size: int, max_tokens: int,
             warm_up: bool = True) -> dict[str, float | None]:
     engine = llm.llm_engine
@@ -110,10 +135,12 @@ def measure(llm: LLM, prompts: list[str], batch_size: int, max_tokens: int,
     if log is not None:
         log.totals, log.enabled = {}, True
     torch.cuda.synchronize()
+    gc_timer.reset()
     start = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     torch.cuda.synchronize()
     elapsed = time.perf_counter() - start
+    gc_ms, gc_runs = gc_timer.ms, gc_timer.runs
     if log is not None:
         log.enabled = False
     after = llm.get_metrics()
@@ -128,7 +155,8 @@ def measure(llm: LLM, prompts: list[str], batch_size: int, max_tokens: int,
             if steps else None,
             "steps_drafting_off": (after["num_steps_drafting_off"] - before["num_steps_drafting_off"]) / steps
             if steps else None, "governor_drafting": after["governor_drafting"],
-            "governor_rates": after["governor_rates"], "governor_steps": log.summary() if log is not None else None}
+            "governor_rates": after["governor_rates"], "gc_ms": gc_ms, "gc_runs": gc_runs,
+            "governor_steps": log.summary() if log is not None else None}
 
 
 def main() -> None:
@@ -145,6 +173,8 @@ def main() -> None:
     parser.add_argument("--interleave", type=int, default=0, metavar="R",
                         help="build every engine first, then measure them in turn R times per batch size and report "
                              "each one's median run (the host's speed drifts between runs: session 16)")
+    parser.add_argument("--gc-freeze", action="store_true",
+                        help="gc.freeze() once the engines are built: the collector no longer walks their objects")
     args = parser.parse_args()
     rows = [json.loads(line) for line in PROMPTS.read_text().splitlines()]
     pool = [r["prompt"] for r in rows if r["kind"] == args.kind]
@@ -156,12 +186,18 @@ def main() -> None:
         name = method if governor == "default" else f"{method} governor={governor}"
         # interleaved engines live side by side: a fixed pool (each request's 2048 positions, every sequence)
         blocks = {"num_gpu_blocks_override": max(args.batch_sizes) * 130} if args.interleave else {}
-        return name, LLM(dtype=args.dtype, device="cuda", max_model_len=2048, max_num_seqs=max(args.batch_sizes),
-                         speculative_config=spec, batch_invariant=args.batch_invariant,
-                         **ENGINE_KWARGS.get(method, {}), **blocks)
+        llm = LLM(dtype=args.dtype, device="cuda", max_model_len=2048, max_num_seqs=max(args.batch_sizes),
+                  speculative_config=spec, batch_invariant=args.batch_invariant, **ENGINE_KWARGS.get(method, {}),
+                  **blocks)
+        if method in HOST_DRAFTED:
+            llm.llm_engine.overlap.drafter = None  # no drafts behind a step on the device
+        return name, llm
 
     if args.interleave:
         engines = dict(make(method, governor) for method, governor in runs)
+        if args.gc_freeze:
+            gc.collect()
+            gc.freeze()
         for b in args.batch_sizes:
             prompts = pool[:max(2 * b, args.min_prompts)]
             samples: dict[str, list[dict]] = {name: [] for name in engines}
@@ -171,7 +207,7 @@ def main() -> None:
             for name, runs_of in samples.items():
                 ranked = sorted(runs_of, key=lambda r: r["tok_s"])
                 results.setdefault(name, {})[b] = r = ranked[len(ranked) // 2] | {
-                    "tok_s_runs": [x["tok_s"] for x in runs_of]}
+                    "tok_s_runs": [x["tok_s"] for x in runs_of], "gc_ms_runs": [x["gc_ms"] for x in runs_of]}
                 print(f"{name} BS={b}: {r}", flush=True)
     for method, governor in runs if not args.interleave else []:
         name, llm = make(method, governor)

@@ -154,7 +154,8 @@ def test_async_scheduling_is_checked() -> None:
 
 @pytest.mark.parametrize("async_scheduling, device, proposer, expected", [
     (None, "cuda", None, (True, False)),  # the default on CUDA: decodes queued ahead
-    (None, "cuda", "ngram", (True, False)),  # ngram: its non-drafting steps as decodes, verifies on the host
+    # ngram: its non-drafting steps as decodes, and its verifies queued ahead, drafted on the device (session 17)
+    (None, "cuda", "ngram", (True, True)),
     # model drafters: verifies queued ahead by default (session 15), and their non-drafting steps as decodes (the
     # catch-up deferred, session 16)
     (None, "cuda", "model", (True, True)),
@@ -165,7 +166,7 @@ def test_async_scheduling_is_checked() -> None:
 ])
 def test_which_steps_are_queued_ahead(async_scheduling: bool | None, device: str, proposer: str | None,
                                       expected: tuple[bool, bool]) -> None:
-    """``queued_steps``: decodes and MTP / EAGLE verifies go ahead of the previous step's read exactly where the
+    """``queued_steps``: decodes and MTP / EAGLE / ngram verifies go ahead of the previous step's read exactly where the
     README says (async scheduling on by default on CUDA, verifies of model drafters included)."""
     from truespec.engine.async_scheduler import queued_steps
     from truespec.spec_decode.model_drafter import ModelDrafter

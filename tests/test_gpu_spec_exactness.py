@@ -51,6 +51,9 @@ METHODS: dict[str, dict] = {
     "eagle k=3": {"method": "eagle", "num_speculative_tokens": 3, "model": str(DEFAULT_EAGLE_DIR)},
     "draft_model k=3": {"method": "draft_model", "num_speculative_tokens": 3, "model": str(DEFAULT_DRAFT_MODEL_DIR)},
 }
+if os.environ.get("TRUESPEC_GPU_METHODS"):  # e.g. "ngram,mtp": run only these methods (a shorter GPU call)
+    METHODS = {name: spec for name, spec in METHODS.items()
+               if spec["method"] in os.environ["TRUESPEC_GPU_METHODS"].split(",")}
 
 
 @functools.cache

@@ -10,10 +10,10 @@ next rows is built on the host from this step's tokens, so those steps run one a
   turned drafting off, or disable_by_batch_size): ngram indexes the skipped tokens when it drafts again, and a model
   drafter defers its catch-up until then (``ModelDrafter.propose``), so such steps cost what steps without
   speculation cost.
-- **Verifies** (a drafter that drafts on the device: MTP, EAGLE): behind every greedy decode / verify step the
-  drafter queues the step's accepted counts and each request's next token and k drafts on the device
-  (``ModelDrafter.draft_on_device``; while the next steps may not draft, nothing: the queued step after a verify
-  then goes on as a plain decode). Step N+1
+- **Verifies** (a proposer that drafts on the device: MTP, EAGLE, ngram): behind every greedy decode / verify step
+  the proposer queues the step's accepted counts and each request's next token and k drafts on the device
+  (``ModelDrafter.draft_on_device``, ``NgramProposer.draft_on_device``; while the next steps may not draft, nothing:
+  the queued step after a verify then goes on as a plain decode). Step N+1
   is planned as if N accepts nothing; its blocks cover the case where N accepts everything, and the device moves
   each request's positions, KV slots and state source by what N accepted (``input_builder.shift_positions``) and
   feeds the next token and drafts. The host learns N+1's drafts
@@ -31,7 +31,7 @@ import torch
 from truespec.core.scheduler import Scheduler
 from truespec.core.scheduler_output import SchedulerOutput
 from truespec.core.sequence import PLACEHOLDER, Sequence
-from truespec.spec_decode.model_drafter import ModelDrafter
+from truespec.spec_decode.interface import DeviceDrafter
 from truespec.worker.input_builder import to_device_async
 from truespec.worker.model_runner import LaunchedStep, ModelRunner
 
@@ -40,16 +40,16 @@ def queued_steps(async_scheduling: bool | None, device_type: str, proposer: obje
     """(decodes queued ahead, verifies queued ahead) for an engine's ``async_scheduling`` (None: on for CUDA, off on
     CPU) and proposer. Decodes: with any proposer, for the steps that draft nothing (ngram indexes the tokens it
     skipped when it drafts again; a model drafter defers its catch-up, spec_decode/model_drafter.py). Verifies:
-    with a model drafter (MTP / EAGLE drafting on the device; a draft model keeps its steps on the host, see
-    ``ModelDrafter.can_draft_on_device``), faster than planning them on the host at every batch size measured
-    (BENCHMARKS.md, session 15)."""
+    with a proposer that drafts on the device (MTP / EAGLE, ngram; a draft model keeps its steps on the host, see
+    ``ModelDrafter.can_draft_on_device``): for MTP faster than planning them on the host at every batch size
+    measured (BENCHMARKS.md, session 15)."""
     is_async = async_scheduling if async_scheduling is not None else device_type == "cuda"
-    return is_async, is_async and isinstance(proposer, ModelDrafter)
+    return is_async, is_async and hasattr(proposer, "draft_on_device")
 
 
 class AsyncScheduler:
     def __init__(self, scheduler: Scheduler, runner: ModelRunner, seqs: dict[str, Sequence], enabled: bool,
-                 drafter: ModelDrafter | None = None, num_drafts: Callable[[str, bool], int] | None = None,
+                 drafter: DeviceDrafter | None = None, num_drafts: Callable[[str, bool], int] | None = None,
                  may_draft: Callable[[], bool] | None = None) -> None:
         self.scheduler, self.runner, self.seqs = scheduler, runner, seqs
         # decodes queued ahead (with a proposer only while ``may_draft`` says the next step drafts nothing)
@@ -73,10 +73,8 @@ class AsyncScheduler:
             # while the next steps may not draft (the governor, disable_by_batch_size), the drafter defers its
             # catch-up (``ModelDrafter.propose``) and the next step is queued as a plain decode
             drafting = self.may_draft is None or self.may_draft()
-            if drafting or not self.drafter.deferred.limit:
-                step.device_drafts = self.drafter.draft_on_device(
-                    step.rows, step.positions, step.output.hidden_states, step.argmax, step.inputs, shift,
-                    sched.finished_req_ids, self.drafter.k if drafting else 0)
+            if drafting or not self.drafter.defers_while_off:
+                step.device_drafts = self.drafter.draft_on_device(step, self.drafter.k if drafting else 0, self.seqs)
         return step
 
     def launch_next(self, launched: LaunchedStep) -> str | None:
@@ -133,7 +131,7 @@ class AsyncScheduler:
     def _drafts_on_device(self, sched: SchedulerOutput, is_ahead: bool) -> bool:
         """Whether the drafter drafts behind this step on the device: every request is a greedy decode or verify
         without logprobs, and its blocks cover the drafts' positions (a step planned ahead allocated them)."""
-        if self.drafter is None or self.drafter.deferred.is_behind([r.request_id for r in sched.scheduled]):
+        if self.drafter is None or self.drafter.is_behind([r.request_id for r in sched.scheduled]):
             return False  # a request whose catch-up was deferred catches up on the host (``ModelDrafter.propose``)
         reach = self.drafter.k - 1 if not is_ahead else 0  # the last draft's position past the query
         block_size = self.scheduler.kv.block_size

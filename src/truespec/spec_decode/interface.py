@@ -8,13 +8,18 @@ the ``DraftRequest``, and the blocks and state slots it writes were allocated by
 """
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from truespec.core.sequence import token_slice
 from truespec.sampling_params import SamplingParams
 from truespec.worker.runner_output import ModelRunnerOutput
+
+if TYPE_CHECKING:
+    from truespec.core.sequence import Sequence
+    from truespec.spec_decode.device_drafts import DeviceDrafts
+    from truespec.worker.model_runner import LaunchedStep
 
 
 @dataclass(slots=True)
@@ -67,4 +72,22 @@ class Proposer(Protocol):
     def propose(self, requests: list[DraftRequest], output: ModelRunnerOutput,
                 finished_req_ids: list[str]) -> dict[str, Drafts]:
         """Drafts for the requests with ``is_drafting``, by request id (absent: none)."""
+        ...
+
+
+class DeviceDrafter(Protocol):
+    """A proposer that drafts behind a greedy step on the device, so that the next verify queues ahead
+    (engine/async_scheduler.py): ModelDrafter (MTP / EAGLE), NgramProposer."""
+
+    k: int
+    can_draft_on_device: bool
+    defers_while_off: bool  # while drafting is off, nothing is drafted behind a step (the next one is a decode)
+
+    def is_behind(self, request_ids: list[str]) -> bool:
+        """Whether one of these requests must catch up on the host before it drafts on the device."""
+        ...
+
+    def draft_on_device(self, step: "LaunchedStep", num_drafts: int | None = None,
+                        seqs: "dict[str, Sequence] | None" = None) -> "DeviceDrafts":
+        """Queue ``step``'s accepted counts and each request's next token and ``num_drafts`` (None: k) drafts."""
         ...

@@ -31,7 +31,8 @@ from truespec.spec_decode.device_drafts import DeviceDrafts, greedy_accepted
 from truespec.spec_decode.draft_chain import DraftChain
 from truespec.spec_decode.interface import DraftRequest, Drafts
 from truespec.worker.graph_runner import GraphRunner, GraphSettings
-from truespec.worker.input_builder import ContextRow, StepInputs
+from truespec.worker.input_builder import ContextRow
+from truespec.worker.model_runner import LaunchedStep
 from truespec.worker.runner_output import ModelRunnerOutput
 
 
@@ -121,22 +122,32 @@ class ModelDrafter:
         return {job.request.request_id: Drafts(job.token_ids, _stack(job.probs))
                 for job in jobs if job.request.is_drafting}
 
-    @torch.inference_mode()
-    def draft_on_device(self, rows: list[ContextRow], positions: list[int], hidden: torch.Tensor,
-                        argmax: torch.Tensor, inputs: StepInputs, shift: torch.Tensor | None,
-                        finished_req_ids: list[str], num_drafts: int | None = None) -> DeviceDrafts:
-        """Queue a greedy step's acceptance, catch-up and ``num_drafts`` (k or 0; None: k) drafts per request on the
-        device, nothing read back.
+    def is_behind(self, request_ids: list[str]) -> bool:
+        """Whether one of these requests' catch-up was deferred (it then catches up on the host: ``propose``)."""
+        return self.deferred.is_behind(request_ids)
 
-        ``rows`` / ``positions``: the target step's, as the host built them (``shift``: how far the device moved
-        them); ``hidden``, ``argmax`` [T] and ``inputs`` (ids, moved positions, metadata): the step's, on the
+    @property
+    def defers_while_off(self) -> bool:
+        """While drafting is off, the catch-up waits (so nothing is drafted behind a step on the device)."""
+        return self.deferred.limit > 0
+
+    @torch.inference_mode()
+    def draft_on_device(self, step: LaunchedStep, num_drafts: int | None = None,
+                        seqs: object = None) -> DeviceDrafts:
+        """Queue a greedy step's acceptance, catch-up and ``num_drafts`` (k or 0; None: k) drafts per request on the
+        device, nothing read back (``seqs``: unused; ngram_on_device.py reads them).
+
+        ``step.rows`` / ``positions``: the target step's, as the host built them (``shift``: how far the device
+        moved them); its hidden states, ``argmax`` [T] and ``inputs`` (ids, moved positions, metadata): on the
         device. The catch-up covers every query row, each with the target's argmax of it as the token after it: up
         to the last accepted draft that is the draft, then the next token; the rows after it write KV at positions
         the drafts overwrite before anything reads them. The same tokens as ``propose`` (tests/test_async_spec.py).
         A step whose requests all verify k drafts runs as one graph replay (``DraftChain``) where one is
         captured. 0 drafts (the next steps draft nothing): only the acceptance and the catch-up, which keeps the
         drafter's cache whole for when drafting resumes."""
-        self.forget(finished_req_ids)
+        self.forget(step.sched.finished_req_ids)
+        rows, positions, hidden, argmax, inputs, shift = (step.rows, step.positions, step.output.hidden_states,
+                                                          step.argmax, step.inputs, step.shift)
         num_drafts = self.k if num_drafts is None else num_drafts
         num_tokens, num_reqs, ctx = len(positions), len(rows), inputs.ctx
         if num_drafts == self.k and self.chain is not None and \

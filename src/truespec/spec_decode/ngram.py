@@ -19,22 +19,30 @@ the int32 heads (4 to 16: between 1 and 4 buckets per position), so about 8 + 12
 
 from array import array
 
+from truespec.core.sequence import Sequence
+from truespec.spec_decode.device_drafts import DeviceDrafts
 from truespec.spec_decode.interface import DraftRequest, Drafts
+from truespec.spec_decode.ngram_on_device import NgramOnDevice
+from truespec.worker.model_runner import LaunchedStep
 from truespec.worker.runner_output import ModelRunnerOutput
 
 MIN_BUCKETS = 64
 
 
 class NgramProposer:
-    """Prompt-lookup drafts from one ``NgramIndex`` per request, kept from its first drafting step to its finish."""
+    """Prompt-lookup drafts from one ``NgramIndex`` per request, kept from its first drafting step to its finish;
+    behind a greedy step queued on the device, from the device's copy of the tokens (ngram_on_device.py)."""
 
     catches_up = False  # a request's index catches up on its tokens when it drafts
+    can_draft_on_device = True
+    defers_while_off = True  # while drafting is off, nothing is drafted on the device (nor indexed on the host)
 
     def __init__(self, num_speculative_tokens: int, prompt_lookup_min: int, prompt_lookup_max: int) -> None:
         self.k = num_speculative_tokens
         self.min_n = prompt_lookup_min
         self.max_n = prompt_lookup_max
         self.indexes: dict[str, NgramIndex] = {}  # by request id, built on a request's first drafting step
+        self.on_device = NgramOnDevice(self.k, self.min_n, self.max_n)
 
     def propose(self, requests: list[DraftRequest], output: ModelRunnerOutput,
                 finished_req_ids: list[str]) -> dict[str, Drafts]:
@@ -51,6 +59,15 @@ class NgramProposer:
     def forget(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
             self.indexes.pop(request_id, None)
+        self.on_device.forget(request_ids)
+
+    def is_behind(self, request_ids: list[str]) -> bool:
+        return False  # nothing to catch up: a request's tokens are copied when it drafts
+
+    def draft_on_device(self, step: LaunchedStep, num_drafts: int | None = None,
+                        seqs: dict[str, Sequence] | None = None) -> DeviceDrafts:
+        """``NgramOnDevice.draft_on_device`` (``num_drafts`` None: k); ``seqs``: the engine's requests."""
+        return self.on_device.draft_on_device(step, self.k if num_drafts is None else num_drafts, seqs)
 
     def _index(self, r: DraftRequest) -> "NgramIndex":
         """``r``'s index, caught up on its new tokens; a fresh one when ``r`` is new, is another request under a

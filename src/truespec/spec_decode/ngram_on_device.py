@@ -1,0 +1,118 @@
+"""N-gram drafts made on the device behind a greedy step, so that ngram verifies queue ahead as MTP's do.
+
+The host proposer (ngram.py) reads each step's tokens on the host; a verify queued ahead (engine/async_scheduler.py)
+must have its drafts before the step before it is read. So the device keeps each request's token ids (one int32 row
+of ``history`` per request) and, behind every greedy decode / verify step:
+- takes the accepted counts and next tokens (device_drafts.greedy_accepted);
+- writes each query row's argmax at the position after the row: up to the last accepted draft those are the drafts,
+  then the next token; the rows after it write past the request's new length, where the next step's writes land
+  before anything reads them;
+- matches the suffix n-grams (ops/ngram_match.py, kernels/ngram_match.py): the drafts of ngram.py where it has k of
+  them, continued by the match's period where it has fewer, the last token repeated where nothing matched. A greedy
+  verify accepts a draft only if it equals the target's token, so which drafts a step verifies never changes a
+  token; the draft-length policy shortens the drafts of requests whose drafts are rejected.
+
+A row holds a request's tokens ``0 .. known - 1`` as far as the host knows. A step planned on the host first copies
+the request's tokens since ``known`` (a request's tokens are only ever appended); a step queued ahead follows one that
+drafted here, whose writes already hold its tokens. Rows go when their requests finish (``forget``); ``history``
+grows (rows and width, by doubling) as requests and positions need.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from truespec.core.sequence import Sequence
+from truespec.layers.backend import kernels, use_kernels
+from truespec.ops.ngram_match import ngram_match_ref
+from truespec.spec_decode.device_drafts import DeviceDrafts, greedy_accepted
+from truespec.worker.input_builder import to_device_async
+from truespec.worker.model_runner import LaunchedStep
+
+
+@dataclass(slots=True)
+class _Row:
+    index: int  # in ``history``
+    prompt_token_ids: list[int]  # the request's own list: another request under a reused id starts over
+    known: int  # tokens 0 .. known - 1 are in the row
+
+
+class NgramOnDevice:
+    def __init__(self, k: int, min_n: int, max_n: int) -> None:
+        self.k, self.min_n, self.max_n = k, min_n, max_n
+        self.history: torch.Tensor | None = None  # [rows, width] int32 token ids
+        self.rows: dict[str, _Row] = {}  # by request id
+        self.free: list[int] = []  # row indices no request holds
+
+    def forget(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            row = self.rows.pop(request_id, None)
+            if row is not None:
+                self.free.append(row.index)
+
+    def draft_on_device(self, step: LaunchedStep, num_drafts: int, seqs: dict[str, Sequence]) -> DeviceDrafts:
+        """Queue ``step``'s acceptance, its tokens' writes and ``num_drafts`` (k or 0) drafts per request on the
+        device, nothing read back. Every request of ``step`` is a greedy decode or verify (AsyncScheduler)."""
+        self.forget(step.sched.finished_req_ids)
+        scheduled, device = step.sched.scheduled, step.argmax.device
+        num_tokens, num_reqs = len(step.positions), len(scheduled)
+        # a queued step's positions move <= k further; its rows write one past them
+        self._reserve(num_reqs, max(step.positions) + self.k + 3, device)
+        indices, copy_rows, copy_positions, copy_tokens = [], [], [], []
+        for r in scheduled:
+            seq = seqs[r.request_id]
+            row = self._row(r.request_id, seq)
+            indices.append(row.index)
+            end = r.num_computed_tokens + 1  # tokens up to the step's first query position
+            if step.shift is None and row.known < end:  # planned on the host: its tokens are the host's
+                tokens = seq.token_slice(row.known, end)
+                copy_rows += [row.index] * len(tokens)
+                copy_positions += range(row.known, end)
+                copy_tokens += tokens
+            row.known = max(row.known, end)  # queued ahead: at least the plan's start (the device moved it on)
+        token_rows = [i for i, row in zip(indices, step.rows, strict=True) for _ in range(row.query_len)]
+        packed = to_device_async(indices + token_rows + copy_rows + copy_positions + copy_tokens, device)
+        req_rows, token_rows_d, copies = packed.split([num_reqs, num_tokens, 3 * len(copy_rows)])
+        history = self.history
+        if copy_rows:
+            rows_d, positions_d, tokens_d = copies.view(3, -1)
+            history[rows_d, positions_d] = tokens_d.to(torch.int32)
+        inputs, argmax = step.inputs, step.argmax[:num_tokens]
+        query_start_loc = inputs.ctx.query_start_loc[:num_reqs + 1]
+        max_drafts = max(row.query_len for row in step.rows) - 1
+        num_accepted, next_token = greedy_accepted(argmax, inputs.input_ids[:num_tokens], query_start_loc, max_drafts)
+        positions = inputs.positions[:num_tokens]  # moved by the device for a step queued ahead
+        history[token_rows_d, positions + 1] = argmax.to(torch.int32)
+        if not num_drafts:
+            return DeviceDrafts(num_accepted, next_token[:, None])
+        lengths = positions[query_start_loc[:-1]] + num_accepted + 2  # through the next token
+        match = kernels().ngram_match if use_kernels(history) else ngram_match_ref
+        drafts = match(history, req_rows, lengths, self.min_n, self.max_n, num_drafts)
+        return DeviceDrafts(num_accepted, torch.cat([next_token[:, None], drafts], dim=1))
+
+    def _row(self, request_id: str, seq: Sequence) -> _Row:
+        row = self.rows.get(request_id)
+        if row is None or row.prompt_token_ids is not seq.prompt_token_ids:
+            if row is not None:
+                self.free.append(row.index)
+            row = self.rows[request_id] = _Row(self.free.pop(), seq.prompt_token_ids, 0)
+        return row
+
+    def _reserve(self, num_new_rows: int, width: int, device: torch.device) -> None:
+        """Grow ``history`` (doubling) so that ``num_new_rows`` more rows are free and rows hold ``width`` ids."""
+        history = self.history
+        num_rows = 0 if history is None else history.shape[0]
+        old_width = 0 if history is None else history.shape[1]
+        rows_needed = len(self.rows) + num_new_rows
+        if history is not None and rows_needed <= num_rows and width <= old_width:
+            return
+        new_rows, new_width = max(num_rows, 8), max(old_width, 256)
+        while new_rows < rows_needed:
+            new_rows *= 2
+        while new_width < width:
+            new_width *= 2
+        grown = torch.zeros(new_rows, new_width, dtype=torch.int32, device=device)
+        if history is not None:
+            grown[:num_rows, :old_width] = history
+        self.free += range(num_rows, new_rows)
+        self.history = grown
