@@ -72,7 +72,8 @@ class StepLog:
         def logged_observe(num_tokens: int, num_requests: int, is_decode_only: bool) -> None:
             last, cur, self.learned = governor._last_end, governor._cur, False
             observe(num_tokens, num_requests, is_decode_only)
-            if self.enabled and last is not None and cur is not None:
+            # a step whose interval began before the timed run (the gap since the previous run) is left out
+            if self.enabled and last is not None and last >= self.start and cur is not None:
                 key = f"{'drafting' if cur[1] else 'not_drafting'} {'counted' if self.learned else 'uncounted'}"
                 row = self.totals.setdefault(key, [0.0, 0, 0])
                 row[0] += num_requests * (governor._last_end - last)
@@ -80,7 +81,7 @@ class StepLog:
                 row[2] += 1
 
         governor._learn, governor.observe_step = logged_learn, logged_observe
-        self.enabled = False
+        self.enabled, self.start = False, 0.0
 
     def summary(self) -> dict[str, dict[str, float]]:
         return {key: {"steps": n, "tokens_per_request_s": tokens / seconds if seconds else None,
@@ -137,6 +138,8 @@ def measure(llm: LLM, prompts: list[str], batch_size: int, max_tokens: int,
     torch.cuda.synchronize()
     gc_timer.reset()
     start = time.perf_counter()
+    if log is not None:
+        log.start = start
     outs = llm.generate(prompts, params, use_tqdm=False)
     torch.cuda.synchronize()
     elapsed = time.perf_counter() - start

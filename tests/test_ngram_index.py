@@ -17,7 +17,8 @@ COMBOS = [(4, 1, 3, 4), (3, 2, 2, 3), (8, 1, 1, 8), (5, 5, 5, 5), (2, 1, 6, 1), 
 
 def reference_lookup(token_ids: list[int], k: int, min_n: int, max_n: int, max_drafts: int) -> list[int]:
     """The O(len) scan the index replaces (NgramProposer.lookup before the index): for n from max_n down to
-    min_n, the tokens after the last occurrence of the suffix n-gram that starts before ``len - n``."""
+    min_n, the tokens after the last occurrence of the suffix n-gram that starts before ``len - n``, repeated while
+    fewer than the limit follow it (they run to the end: the text repeats with that period)."""
     limit = min(k, max_drafts)
     if limit <= 0:
         return []
@@ -26,7 +27,8 @@ def reference_lookup(token_ids: list[int], k: int, min_n: int, max_n: int, max_d
         suffix = token_ids[n_tokens - n:]
         for start in range(n_tokens - n - 1, -1, -1):
             if token_ids[start] == suffix[0] and token_ids[start:start + n] == suffix:
-                return token_ids[start + n:start + n + limit]
+                follow = token_ids[start + n:]
+                return [follow[j % len(follow)] for j in range(limit)]
     return []
 
 

@@ -4,18 +4,20 @@ and the Triton kernel drafts exactly the reference's on ragged batches whose his
 length, in unused rows, with requests in permuted rows and matches far behind the suffix (across block edges)."""
 
 import random
+from dataclasses import dataclass
 
 import pytest
 import torch
 
 from helpers.kernels import DEVICE, gpu, needs_cuda
-from truespec.kernels import ngram_match, ngram_match_ref
+from truespec.kernels import ngram_match, ngram_match_ref, ngram_step, ngram_step_ref
 from truespec.sampling_params import SamplingParams
 from truespec.spec_decode.interface import DraftRequest
 from truespec.spec_decode.ngram import NgramIndex
 
 N_RANGES = [(1, 1), (2, 2), (1, 3), (2, 4), (3, 5)]  # (min_n, max_n)
 KS = [1, 3, 8]
+STEP_KS = [0, 1, 3, 8]
 
 
 def repetitive_tokens(rng: random.Random, length: int, vocab: int) -> list[int]:
@@ -56,9 +58,9 @@ def random_batch(rng: random.Random, lengths: list[int], width: int, max_n: int,
     return (torch.tensor(history, dtype=torch.int32), torch.tensor(rows), torch.tensor(lengths), token_lists)
 
 
-def host_lookups(rng: random.Random, tokens: list[int], min_n: int, max_n: int, k: int) -> tuple[list[int], list[int]]:
-    """The host proposer's index over ``tokens`` (split at random into prompt and output): its ``lookup(k)`` and
-    its ``lookup`` with no limit, all the tokens after the match (one period; [] when nothing matched)."""
+def host_lookup(rng: random.Random, tokens: list[int], min_n: int, max_n: int, k: int) -> list[int]:
+    """The host proposer's ``lookup(k)`` from its index over ``tokens`` (split at random into prompt and output):
+    k tokens, the ones after the match repeated while fewer follow it ([] when nothing matched)."""
     cut, num_tokens = rng.randint(0, len(tokens)), len(tokens)
     request = DraftRequest(request_id="r", params=SamplingParams(), prompt_token_ids=tokens[:cut],
                            output_token_ids=tokens[cut:], step_start=max(num_tokens - 1, 0),
@@ -66,7 +68,17 @@ def host_lookups(rng: random.Random, tokens: list[int], min_n: int, max_n: int, 
                            max_drafts=k)
     index = NgramIndex(min_n, max_n, request)
     assert index.catch_up(request)
-    return index.lookup(k), index.lookup(num_tokens)
+    return index.lookup(k)
+
+
+def match_period(tokens: list[int], min_n: int, max_n: int) -> int:
+    """How many tokens follow the most recent earlier occurrence of the longest suffix n-gram, by a plain scan (0:
+    none occurred)."""
+    for n in range(max_n, min_n - 1, -1):
+        for start in range(len(tokens) - n - 1, -1, -1):
+            if tokens[start:start + n] == tokens[len(tokens) - n:]:
+                return len(tokens) - start - n
+    return 0
 
 
 def edge_lengths(rng: random.Random, min_n: int, max_n: int, longest: int) -> list[int]:
@@ -86,12 +98,11 @@ def test_reference_drafts_are_the_host_proposers_continued_by_period() -> None:
         got = ngram_match_ref(history, rows, lengths_t, min_n, max_n, k)
         assert got.dtype == torch.int64 and got.shape == (len(lengths), k)
         for r, tokens in enumerate(token_lists):
-            drafts, following = host_lookups(rng, tokens, min_n, max_n, k)
-            period = len(following)
-            if period:  # the host's drafts, then the tokens after the match again and again
-                expected = drafts + [following[j % period] for j in range(len(drafts), k)]
-            else:
-                expected = [tokens[-1] if tokens else 0] * k
+            drafts, period = host_lookup(rng, tokens, min_n, max_n, k), match_period(tokens, min_n, max_n)
+            assert len(drafts) == (k if period else 0)
+            if period:  # the host's drafts: the tokens after the match, again and again
+                assert drafts == [tokens[len(tokens) - period + j % period] for j in range(k)]
+            expected = drafts if period else [tokens[-1] if tokens else 0] * k
             assert got[r].tolist() == expected, (tokens, min_n, max_n, k)
             num_matched += period > 0
             num_unmatched += period == 0
@@ -132,6 +143,114 @@ def test_kernel_ignores_tokens_past_each_length() -> None:
     assert torch.equal(first.cpu(), ngram_match_ref(history, rows, lengths_t, 2, 4, 8))
 
 
+@dataclass
+class Step:
+    """A greedy step's arguments to ``ngram_step`` (on the CPU; ``args`` moves them) and its requests' tokens up to
+    its first query position plus the verify's target tokens (``token_lists``)."""
+
+    history: torch.Tensor  # [S, W] int32
+    rows: torch.Tensor  # [R]
+    positions: torch.Tensor  # [T + padding]
+    query_start_loc: torch.Tensor  # [R + 1]
+    argmax: torch.Tensor  # [T + padding]
+    num_accepted: torch.Tensor  # [R]
+
+    def args(self, device: torch.device) -> list[torch.Tensor]:
+        return [t.to(device) for t in (self.history, self.rows, self.positions, self.query_start_loc, self.argmax,
+                                       self.num_accepted)]
+
+
+def random_step(rng: random.Random, starts: list[int], query_lens: list[int], max_n: int, vocab: int) -> Step:
+    """Request r's first query row at position ``starts[r]``, ``query_lens[r]`` rows (its tokens through that
+    position in its row, in permuted rows of a history of garbage), a random accepted count; the target's tokens
+    continue the request's tokens through the next token (often repeating them: matches), garbage after it."""
+    width = max(p0 + q for p0, q in zip(starts, query_lens, strict=True)) + 1 + rng.randint(0, 5)
+    history = [[rng.randrange(vocab + 3) for _ in range(width)] for _ in range(len(starts) + 2)]
+    rows = rng.sample(range(len(history)), len(starts))
+    positions, argmax, num_accepted, query_start_loc = [], [], [], [0]
+    for row, p0, query_len in zip(rows, starts, query_lens, strict=True):
+        accepted = rng.randrange(query_len)
+        length = p0 + accepted + 2  # through the next token
+        is_far = rng.random() < 0.3
+        tokens = far_match_tokens(rng, length, max_n) if is_far else repetitive_tokens(rng, length, vocab)
+        history[row][:p0 + 1] = tokens[:p0 + 1]
+        positions += range(p0, p0 + query_len)
+        argmax += tokens[p0 + 1:] + [rng.randrange(vocab + 3) for _ in range(query_len - accepted - 1)]
+        num_accepted.append(accepted)
+        query_start_loc.append(query_start_loc[-1] + query_len)
+    num_padding = rng.randint(0, 3)  # rows past the requests': read by nobody
+    positions += [rng.randrange(10**6, 10**7) for _ in range(num_padding)]
+    argmax += [rng.randrange(vocab + 3) for _ in range(num_padding)]
+    return Step(torch.tensor(history, dtype=torch.int32), torch.tensor(rows), torch.tensor(positions),
+                torch.tensor(query_start_loc), torch.tensor(argmax), torch.tensor(num_accepted))
+
+
+def written_then_matched(step: Step, min_n: int, max_n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The step's result and history after it, spelled out: every query row's token written after the row's
+    position, then the next token and ``ngram_match_ref``'s drafts for each request's new length."""
+    history = step.history.clone()
+    qsl, positions, argmax = step.query_start_loc.tolist(), step.positions.tolist(), step.argmax.tolist()
+    next_tokens, lengths = [], []
+    for r, (row, accepted) in enumerate(zip(step.rows.tolist(), step.num_accepted.tolist(), strict=True)):
+        for t in range(qsl[r], qsl[r + 1]):
+            history[row, positions[t] + 1] = argmax[t]
+        next_tokens.append(argmax[qsl[r] + accepted])
+        lengths.append(positions[qsl[r]] + accepted + 2)
+    drafts = ngram_match_ref(history, step.rows, torch.tensor(lengths), min_n, max_n, k)
+    return torch.cat([torch.tensor(next_tokens)[:, None], drafts], dim=1), history
+
+
+def random_starts(rng: random.Random, num_reqs: int, longest: int) -> list[int]:
+    """First query positions: 0, 1 and random ones up to ``longest``."""
+    return [0, 1, *(rng.randint(0, longest) for _ in range(num_reqs - 2))]
+
+
+def test_step_reference_is_the_writes_then_the_match() -> None:
+    rng = random.Random(4)
+    num_matched = num_accepted = num_rejected_rows = 0
+    for _ in range(80):
+        (min_n, max_n), k, vocab = rng.choice(N_RANGES), rng.choice(STEP_KS), rng.randint(2, 6)
+        num_reqs = rng.randint(2, 7)
+        step = random_step(rng, random_starts(rng, num_reqs, 150), [rng.randint(1, 9) for _ in range(num_reqs)],
+                           max_n, vocab)
+        expected, expected_history = written_then_matched(step, min_n, max_n, k)
+        history = step.history.clone()
+        got = ngram_step_ref(history, *step.args(torch.device("cpu"))[1:], min_n, max_n, k)
+        assert got.dtype == torch.int64 and got.shape == (num_reqs, 1 + k)
+        assert torch.equal(got, expected), (min_n, max_n, k)
+        assert torch.equal(history, expected_history)
+        assert not torch.equal(history, step.history)
+        lengths = step.positions[step.query_start_loc[:-1]] + step.num_accepted + 2
+        for row, length in zip(step.rows.tolist(), lengths.tolist(), strict=True):
+            num_matched += k > 0 and match_period(history[row, :length].tolist(), min_n, max_n) > 0
+        num_accepted += int((step.num_accepted > 0).sum())
+        num_rejected_rows += int((step.query_start_loc.diff() - step.num_accepted - 1).sum())
+    assert min(num_matched, num_accepted, num_rejected_rows) >= 50  # drafts came from matches; rows went unused
+
+
+def check_step_kernel(device: torch.device, rng: random.Random, starts: list[int], query_lens: list[int], min_n: int,
+                      max_n: int, k: int, vocab: int, block: int = 128) -> None:
+    step = random_step(rng, starts, query_lens, max_n, vocab)
+    expected_history = step.history.clone()
+    expected = ngram_step_ref(expected_history, *step.args(torch.device("cpu"))[1:], min_n, max_n, k)
+    args = step.args(device)
+    got = ngram_step(*args, min_n, max_n, k, block=block)
+    assert got.device.type == device.type
+    assert torch.equal(got.cpu(), expected), (starts, query_lens, min_n, max_n, k, block)
+    assert torch.equal(args[0].cpu(), expected_history), (starts, query_lens, min_n, max_n, k, block)
+
+
+def test_step_kernel_matches_reference_on_ragged_batches() -> None:
+    rng = random.Random(5)
+    for min_n, max_n in N_RANGES:
+        for k in STEP_KS:  # block 4: queries of up to 9 rows and histories up to 70 cross block edges
+            num_reqs = rng.randint(3, 6)
+            check_step_kernel(DEVICE, rng, random_starts(rng, num_reqs, 60), [rng.randint(1, 9) for _ in
+                              range(num_reqs)], min_n, max_n, k, rng.randint(2, 6), block=4)
+    # the default block, histories past it
+    check_step_kernel(DEVICE, rng, [0, 126, 127, 128, 200, 250], [1, 2, 3, 9, 5, 9], 2, 4, 8, 3)
+
+
 @gpu
 @needs_cuda
 @pytest.mark.parametrize("min_n, max_n", N_RANGES)
@@ -148,5 +267,25 @@ def test_kernel_matches_reference_on_long_histories_on_the_gpu(min_n: int, max_n
     torch.cuda.set_sync_debug_mode("error")  # the launch reads the lengths on the device: no host sync
     try:
         ngram_match(history, rows, lengths_t, min_n, max_n, 4)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("k", STEP_KS)
+def test_step_kernel_matches_reference_on_long_histories_on_the_gpu(k: int) -> None:
+    rng = random.Random(100 + k)
+    device = torch.device("cuda")
+    for min_n, max_n in N_RANGES:
+        starts = random_starts(rng, 64, 8000) + [126, 127, 128]
+        check_step_kernel(device, rng, starts, [rng.randint(1, 9) for _ in starts], min_n, max_n, k,
+                          rng.randint(2, 6))
+    step = random_step(rng, [8000] * 8, [9] * 8, 4, 4)
+    args = step.args(device)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # every per-request value is read on the device: no host sync
+    try:
+        ngram_step(*args, 2, 4, k)
     finally:
         torch.cuda.set_sync_debug_mode("default")

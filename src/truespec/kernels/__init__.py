@@ -13,7 +13,7 @@ from truespec.kernels.causal_conv1d import causal_conv1d
 from truespec.kernels.gdn_gating import gdn_gating
 from truespec.kernels.gdn_recurrent import gdn_recurrent
 from truespec.kernels.kv_store_packed import store_packed
-from truespec.kernels.ngram_match import ngram_match
+from truespec.kernels.ngram_match import ngram_match, ngram_step
 from truespec.kernels.paged_attention import paged_attention
 from truespec.kernels.paged_attention_packed import paged_attention_packed
 from truespec.kernels.qk_norm_rope import qk_norm_rope
@@ -28,7 +28,7 @@ from truespec.ops.attention import paged_attention_ref, reshape_and_cache_ref, s
 from truespec.ops.conv import causal_conv1d_ref
 from truespec.ops.gdn import GateInputs, gdn_gating_ref, gdn_recurrent_ref
 from truespec.ops.linear import linear_ref
-from truespec.ops.ngram_match import ngram_match_ref
+from truespec.ops.ngram_match import ngram_match_ref, ngram_step_ref
 from truespec.ops.norm import add_rms_norm_ref, rms_norm_ref
 from truespec.ops.rotary import qk_norm_rope_ref
 from truespec.ops.spec_step import chain_metadata_ref, greedy_accepted_ref, move_positions_ref
@@ -69,4 +69,6 @@ __all__ = [
     "move_positions_ref",
     "ngram_match",
     "ngram_match_ref",
+    "ngram_step",
+    "ngram_step_ref",
 ]

@@ -28,6 +28,26 @@ def ngram_match_ref(history: torch.Tensor, rows: torch.Tensor, lengths: torch.Te
     return out
 
 
+def ngram_step_ref(history: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor, query_start_loc: torch.Tensor,
+                   argmax: torch.Tensor, num_accepted: torch.Tensor, min_n: int, max_n: int, k: int) -> torch.Tensor:
+    """A greedy step's next tokens and drafts [R, 1 + k] int64, its tokens written into ``history`` (in place).
+    Request r (history row ``rows[r]``) has query rows ``query_start_loc[r] .. query_start_loc[r + 1] - 1`` at
+    consecutive ``positions`` [>= T] int64, whose target tokens are ``argmax`` [>= T] int64, and its verify accepted
+    ``num_accepted[r]`` drafts (below its query length). Each query row's token goes to the position after the row's
+    (rows past the accepted ones write past the request's new length); then the request holds ``L = positions[q0] +
+    num_accepted[r] + 2`` tokens through its next token ``argmax[q0 + num_accepted[r]]``, result column 0, and
+    columns 1 .. k are ``ngram_match_ref``'s drafts for that length."""
+    starts = query_start_loc[:-1]
+    tokens = torch.arange(int(query_start_loc[0]), int(query_start_loc[-1]), device=history.device)
+    token_rows = rows.repeat_interleave(query_start_loc.diff())
+    history[token_rows, positions[tokens] + 1] = argmax[tokens].to(torch.int32)
+    next_token = argmax[starts + num_accepted][:, None]
+    if not k:
+        return next_token
+    lengths = positions[starts] + num_accepted + 2
+    return torch.cat([next_token, ngram_match_ref(history, rows, lengths, min_n, max_n, k)], dim=1)
+
+
 def last_match_end(tokens: torch.Tensor, min_n: int, max_n: int) -> int | None:
     """Where the most recent earlier occurrence of the longest suffix n-gram (n from max_n down to min_n) of
     ``tokens`` [L] ends: the largest p in [n - 1, L - 2] with ``tokens[p - n + 1 : p + 1]`` the suffix (None:

@@ -1,9 +1,12 @@
 """Prompt-lookup (n-gram) drafting: find the longest suffix n-gram seen earlier, propose what followed.
 
-The drafts: up to ``min(k, max_drafts)`` tokens that followed the most recent earlier occurrence of the longest
-suffix n-gram (n from max_n down to min_n; an occurrence starts before ``len - n``, so it is not the suffix
-itself), [] when none occurred. Scanning the whole history for that on every step costs O(len) host time per
-request, milliseconds a step at batch size 64 with long contexts, while a decode step on the device takes one
+The drafts: ``min(k, max_drafts)`` tokens that followed the most recent earlier occurrence of the longest suffix
+n-gram (n from max_n down to min_n; an occurrence starts before ``len - n``, so it is not the suffix itself), []
+when none occurred. Where fewer tokens follow the occurrence (it is recent: the text repeats with the period from
+it to the end), they are repeated: vLLM stops at the end, but a loop, or an edit copying repeated lines, goes on
+with the same period (session 17, the embedded model's edit prompts at one request: mean acceptance length 6.4
+with drafts repeated so, 3.7 without). Scanning the whole history for that on every step costs O(len) host time
+per request, milliseconds a step at batch size 64 with long contexts, while a decode step on the device takes one
 or two; so each request keeps an index that grows with its tokens (tokens are only ever appended: prompt, then
 output, kept across preemption), and a step costs per request and per n a hash of each new token's n-gram and a
 look into one bucket: no work grows with the context but the rare rebuild when the positions outgrow the buckets
@@ -114,12 +117,14 @@ class NgramIndex:
         return True
 
     def lookup(self, limit: int) -> list[int]:
-        """Up to ``limit`` tokens that followed the most recent earlier occurrence of the longest suffix n-gram."""
+        """``limit`` tokens that followed the most recent earlier occurrence of the longest suffix n-gram, repeated
+        while fewer follow it ([] if none occurred)."""
         token_ids = self.token_ids
         for chains in self.chains:
             end = chains.last_end(token_ids)
             if end is not None:
-                return token_ids[end + 1:end + 1 + limit]
+                follow = token_ids[end + 1:end + 1 + limit]
+                return follow if len(follow) == limit else (follow * (limit // len(follow) + 1))[:limit]
         return []
 
 

@@ -24,7 +24,7 @@ import torch
 
 from truespec.core.sequence import Sequence
 from truespec.layers.backend import kernels, use_kernels
-from truespec.ops.ngram_match import ngram_match_ref
+from truespec.ops.ngram_match import ngram_step_ref
 from truespec.spec_decode.device_drafts import DeviceDrafts, greedy_accepted
 from truespec.worker.input_builder import to_device_async
 from truespec.worker.model_runner import LaunchedStep
@@ -43,6 +43,7 @@ class NgramOnDevice:
         self.history: torch.Tensor | None = None  # [rows, width] int32 token ids
         self.rows: dict[str, _Row] = {}  # by request id
         self.free: list[int] = []  # row indices no request holds
+        self._rows_on_device: tuple[tuple[int, ...], torch.Tensor] | None = None  # the last step's rows
 
     def forget(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
@@ -70,25 +71,26 @@ class NgramOnDevice:
                 copy_positions += range(row.known, end)
                 copy_tokens += tokens
             row.known = max(row.known, end)  # queued ahead: at least the plan's start (the device moved it on)
-        token_rows = [i for i, row in zip(indices, step.rows, strict=True) for _ in range(row.query_len)]
-        packed = to_device_async(indices + token_rows + copy_rows + copy_positions + copy_tokens, device)
-        req_rows, token_rows_d, copies = packed.split([num_reqs, num_tokens, 3 * len(copy_rows)])
-        history = self.history
+        history, req_rows = self.history, self._device_rows(indices, device)
         if copy_rows:
-            rows_d, positions_d, tokens_d = copies.view(3, -1)
-            history[rows_d, positions_d] = tokens_d.to(torch.int32)
+            copies = to_device_async(copy_rows + copy_positions + copy_tokens, device).view(3, -1)
+            history[copies[0], copies[1]] = copies[2].to(torch.int32)
         inputs, argmax = step.inputs, step.argmax[:num_tokens]
         query_start_loc = inputs.ctx.query_start_loc[:num_reqs + 1]
         max_drafts = max(row.query_len for row in step.rows) - 1
-        num_accepted, next_token = greedy_accepted(argmax, inputs.input_ids[:num_tokens], query_start_loc, max_drafts)
-        positions = inputs.positions[:num_tokens]  # moved by the device for a step queued ahead
-        history[token_rows_d, positions + 1] = argmax.to(torch.int32)
-        if not num_drafts:
-            return DeviceDrafts(num_accepted, next_token[:, None])
-        lengths = positions[query_start_loc[:-1]] + num_accepted + 2  # through the next token
-        match = kernels().ngram_match if use_kernels(history) else ngram_match_ref
-        drafts = match(history, req_rows, lengths, self.min_n, self.max_n, num_drafts)
-        return DeviceDrafts(num_accepted, torch.cat([next_token[:, None], drafts], dim=1))
+        num_accepted, _ = greedy_accepted(argmax, inputs.input_ids[:num_tokens], query_start_loc, max_drafts)
+        ngram_step = kernels().ngram_step if use_kernels(history) else ngram_step_ref
+        # writes each row's argmax after it (positions moved by the device for a step queued ahead), then drafts
+        next_ids = ngram_step(history, req_rows, inputs.positions, query_start_loc, argmax, num_accepted, self.min_n,
+                              self.max_n, num_drafts)
+        return DeviceDrafts(num_accepted, next_ids)
+
+    def _device_rows(self, indices: list[int], device: torch.device) -> torch.Tensor:
+        """``indices`` on the device; the last step's tensor again when they are the same (the usual step)."""
+        key = tuple(indices)
+        if self._rows_on_device is None or self._rows_on_device[0] != key:
+            self._rows_on_device = (key, to_device_async(indices, device))
+        return self._rows_on_device[1]
 
     def _row(self, request_id: str, seq: Sequence) -> _Row:
         row = self.rows.get(request_id)
