@@ -32,10 +32,10 @@ CONFIGS = {
     "mtp k=3 ahead": ({"method": "mtp", "num_speculative_tokens": 3}, {"async_scheduling": True}),
     "mtp k=3 no drafts": ({"method": "mtp", "num_speculative_tokens": 3, "disable_by_batch_size": 1},
                          {"async_scheduling": True}),
-    "ngram k=8 ahead": ({"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_min": 2},
-                       {"async_scheduling": True}),
-    "ngram k=8 host-drafted": ({"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_min": 2},
-                               {"async_scheduling": True}),
+    "ngram k=8": ({"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_min": 2},
+                  {"async_scheduling": True}),
+    "ngram k=8 on device": ({"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_min": 2,
+                             "draft_on_device": True}, {"async_scheduling": True}),
     "eagle k=3": ({"method": "eagle", "num_speculative_tokens": 3, "model": str(DEFAULT_EAGLE_DIR)},
                   {"async_scheduling": False}),
     "eagle k=3 ahead": ({"method": "eagle", "num_speculative_tokens": 3, "model": str(DEFAULT_EAGLE_DIR)},
@@ -75,8 +75,6 @@ def main() -> None:
                   max_num_seqs=args.max_num_seqs or args.batch_size, speculative_config=spec,
                   enable_prefix_caching=False, **kwargs)
         llm.llm_engine.scheduler.max_num_seqs = args.batch_size  # a benchmark-only knob, as spec_vs_none.py
-        if name.endswith("host-drafted"):
-            llm.llm_engine.overlap.drafter = None  # drafts on the host after each step's read (as spec_vs_none.py)
         llm.generate(prompts, params, use_tqdm=False)
         steps_before = llm.get_metrics().get("num_steps", 0)
         step_ms = timed_steps(llm)

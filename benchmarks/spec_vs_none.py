@@ -42,10 +42,9 @@ METHODS = {
 # after the previous one's read (async_scheduling=False, as every speculative step was before session 15)
 METHODS |= {f"{name} host-planned": METHODS[name] for name in ("mtp k=3", "eagle k=3")}
 ENGINE_KWARGS = {f"{name} host-planned": {"async_scheduling": False} for name in ("mtp k=3", "eagle k=3")}
-# "host-drafted": ngram drafts on the host after each step is read, as before session 17 (its verifies are planned on
-# the host; plain decodes still queue ahead)
-METHODS["ngram k=8 host-drafted"] = METHODS["ngram k=8"]
-HOST_DRAFTED = {"ngram k=8 host-drafted"}
+# "on device": ngram drafts on the device behind each step, its verifies queued ahead (speculative_config key
+# draft_on_device; the default drafts on the host after each step's read)
+METHODS["ngram k=8 on device"] = METHODS["ngram k=8"] | {"draft_on_device": True}
 # "no drafts": disable_by_batch_size 1, so no step drafts: what a step the governor turns off costs each method;
 # "auto": the speculation governor on (spec_decode/governor.py)
 METHODS |= {f"{name} {variant}": METHODS[name] | extra for name in ("ngram k=8", "mtp k=3", "eagle k=3",
@@ -192,8 +191,6 @@ def main() -> None:
         llm = LLM(dtype=args.dtype, device="cuda", max_model_len=2048, max_num_seqs=max(args.batch_sizes),
                   speculative_config=spec, batch_invariant=args.batch_invariant, **ENGINE_KWARGS.get(method, {}),
                   **blocks)
-        if method in HOST_DRAFTED:
-            llm.llm_engine.overlap.drafter = None  # no drafts behind a step on the device
         return name, llm
 
     if args.interleave:

@@ -154,8 +154,9 @@ def test_async_scheduling_is_checked() -> None:
 
 @pytest.mark.parametrize("async_scheduling, device, proposer, expected", [
     (None, "cuda", None, (True, False)),  # the default on CUDA: decodes queued ahead
-    # ngram: its non-drafting steps as decodes, and its verifies queued ahead, drafted on the device (session 17)
-    (None, "cuda", "ngram", (True, True)),
+    # ngram: its non-drafting steps as decodes; its verifies queued ahead only with draft_on_device (session 17)
+    (None, "cuda", "ngram", (True, False)),
+    (None, "cuda", "ngram on device", (True, True)),
     # model drafters: verifies queued ahead by default (session 15), and their non-drafting steps as decodes (the
     # catch-up deferred, session 16)
     (None, "cuda", "model", (True, True)),
@@ -172,5 +173,6 @@ def test_which_steps_are_queued_ahead(async_scheduling: bool | None, device: str
     from truespec.spec_decode.model_drafter import ModelDrafter
     from truespec.spec_decode.ngram import NgramProposer
 
-    made = {None: None, "ngram": NgramProposer(3, 2, 2), "model": object.__new__(ModelDrafter)}[proposer]
+    made = {None: None, "ngram": NgramProposer(3, 2, 2), "ngram on device": NgramProposer(3, 2, 2, True),
+            "model": object.__new__(ModelDrafter)}[proposer]
     assert queued_steps(async_scheduling, device, made) == expected

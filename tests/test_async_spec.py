@@ -22,7 +22,8 @@ from truespec.worker.input_builder import ContextRow, build_step, shift_position
 PROMPTS = Path(__file__).resolve().parents[1] / "benchmarks" / "prompts" / "heldout.jsonl"
 SPEC = {"mtp": {"method": "mtp", "num_speculative_tokens": 3},
         "eagle": {"method": "eagle", "num_speculative_tokens": 3, "model": str(DEFAULT_EAGLE_DIR)},
-        "ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}}
+        "ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
+                  "draft_on_device": True}}
 
 
 def test_device_acceptance_equals_the_host_verify() -> None:

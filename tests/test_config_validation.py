@@ -61,7 +61,7 @@ def test_llm_with_infinite_cpu_kv_space_names_the_field(tiny_models: dict[str, P
 @pytest.mark.parametrize("method, key, value", [
     ("mtp", "model", "some/dir"), ("ngram", "model", "some/dir"), ("ngram", "enforce_eager", True),
     ("mtp", "prompt_lookup_min", 2), ("mtp", "prompt_lookup_max", 4), ("eagle", "prompt_lookup_min", 2),
-    ("draft_model", "prompt_lookup_max", 4),
+    ("draft_model", "prompt_lookup_max", 4), ("mtp", "draft_on_device", True),
 ])
 def test_speculative_key_the_method_ignores_is_rejected(method: str, key: str, value: object) -> None:
     config = {"method": method, "num_speculative_tokens": 2, key: value}
@@ -73,12 +73,19 @@ def test_speculative_key_the_method_ignores_is_rejected(method: str, key: str, v
 
 @pytest.mark.parametrize("config", [
     {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 3},
+    {"method": "ngram", "num_speculative_tokens": 4, "draft_on_device": True},
     {"method": "mtp", "num_speculative_tokens": 2, "enforce_eager": True},
     {"method": "eagle", "num_speculative_tokens": 2, "model": "d", "enforce_eager": False},
     {"method": "draft_model", "num_speculative_tokens": 2, "model": "d"},
 ])
 def test_speculative_keys_each_method_takes_are_accepted(config: dict) -> None:
     assert SpeculativeConfig.from_dict(config).method == config["method"]
+
+
+@pytest.mark.parametrize("value", ["yes", 1])
+def test_draft_on_device_must_be_a_bool(value: object) -> None:
+    with pytest.raises(ValueError, match="speculative_config.draft_on_device"):
+        SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 2, "draft_on_device": value})
 
 
 def test_empty_drafter_model_is_rejected() -> None:

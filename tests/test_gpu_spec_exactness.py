@@ -4,8 +4,9 @@ Every projection, attention row and GDN row gives the same bits whatever other r
 (docs/ARCHITECTURE.md, invariant 4), so greedy tokens may not depend on speculation, on the batch, on graph
 padding or on how prompts are chunked. There is no near-tie excuse: every request must be identical.
 
-On the embedded model and its shipped drafters (ngram k=8, MTP k=3, EAGLE k=3, draft_model k=3), over held-out
-edit / completion / chat prompts of 19..320 tokens, greedy, in bfloat16 and float16:
+On the embedded model and its shipped drafters (ngram k=8 drafted on the host and on the device, MTP k=3, EAGLE k=3,
+draft_model k=3), over held-out edit / completion / chat prompts of 19..320 tokens, greedy, in bfloat16 and
+float16:
 
 - each method against the run without speculation of the same dtype, max_num_seqs (1, 4, 16) and graph mode
   (CUDA graphs, the default; and enforce_eager at max_num_seqs 1 and 16);
@@ -47,6 +48,8 @@ CHUNK_BUDGET = 64  # max_num_batched_tokens of the chunked-prefill runs: below m
 DTYPES = ["bfloat16", "float16"]
 METHODS: dict[str, dict] = {
     "ngram k=8": {"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_min": 2},
+    "ngram k=8 on device": {"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_min": 2,
+                            "draft_on_device": True},
     "mtp k=3": {"method": "mtp", "num_speculative_tokens": 3},
     "eagle k=3": {"method": "eagle", "num_speculative_tokens": 3, "model": str(DEFAULT_EAGLE_DIR)},
     "draft_model k=3": {"method": "draft_model", "num_speculative_tokens": 3, "model": str(DEFAULT_DRAFT_MODEL_DIR)},

@@ -138,7 +138,8 @@ def check(ok: bool, name: str, message: str) -> None:
 SPEC_METHODS = ("ngram", "draft_model", "mtp", "eagle")
 # The optional keys each method reads; one that its method would ignore is an error, never silently dropped
 # (mtp reads its layer from the target's checkpoint, ngram has no network to run eagerly).
-METHOD_KEYS = {"ngram": ("prompt_lookup_min", "prompt_lookup_max"), "draft_model": ("model", "enforce_eager"),
+METHOD_KEYS = {"ngram": ("prompt_lookup_min", "prompt_lookup_max", "draft_on_device"),
+               "draft_model": ("model", "enforce_eager"),
                "eagle": ("model", "enforce_eager"), "mtp": ("enforce_eager",)}
 MAX_SPECULATIVE_TOKENS = 64
 DRAFT_LENGTHS = ("adaptive", "fixed")
@@ -163,6 +164,10 @@ class SpeculativeConfig:
     prompt_lookup_min: int | None = None  # ngram: shortest suffix n-gram to look up
     prompt_lookup_max: int | None = None  # ngram: longest
     enforce_eager: bool | None = None  # True: the drafter runs without CUDA graphs (None: the target's mode)
+    # ngram (truespec's key): True, drafts made on the device behind each greedy step, so that verifies queue ahead
+    # with async scheduling (spec_decode/ngram_on_device.py); None / False: on the host after each step's read,
+    # faster on the embedded model (BENCHMARKS.md, session 17)
+    draft_on_device: bool | None = None
     # vLLM's key: no drafts in a step after which this many requests or more are running (None: always draft)
     disable_by_batch_size: int | None = None
     # drafts per request and step: "adaptive" (as many as pay for themselves, per request, 0 to k) or "fixed"
@@ -177,7 +182,7 @@ class SpeculativeConfig:
         check(self.method in SPEC_METHODS, "speculative_config.method",
               f"must be one of {SPEC_METHODS}, got {self.method!r}")
         fspath(self, "model")
-        for key in ("model", "prompt_lookup_min", "prompt_lookup_max", "enforce_eager"):
+        for key in ("model", "prompt_lookup_min", "prompt_lookup_max", "enforce_eager", "draft_on_device"):
             value, takes = getattr(self, key), ", ".join(METHOD_KEYS[self.method])
             check(value is None or key in METHOD_KEYS[self.method], f"speculative_config.{key}",
                   f"is not used by method {self.method!r} (it takes num_speculative_tokens, {takes}); leave it "
@@ -187,6 +192,8 @@ class SpeculativeConfig:
               f"must be an int in [1, {MAX_SPECULATIVE_TOKENS}], got {k!r}")
         check(self.enforce_eager is None or isinstance(self.enforce_eager, bool), "speculative_config.enforce_eager",
               f"must be a bool, got {self.enforce_eager!r}")
+        check(self.draft_on_device is None or isinstance(self.draft_on_device, bool),
+              "speculative_config.draft_on_device", f"must be a bool, got {self.draft_on_device!r}")
         check(self.disable_by_batch_size is None or is_pos_int(self.disable_by_batch_size),
               "speculative_config.disable_by_batch_size", f"must be a positive int, got {self.disable_by_batch_size!r}")
         self._check_draft_length()
@@ -223,7 +230,8 @@ class SpeculativeConfig:
         if not isinstance(d, dict):
             raise ValueError(f"speculative_config must be a dict, got {type(d).__name__}")
         known = {"method", "num_speculative_tokens", "model", "prompt_lookup_min", "prompt_lookup_max",
-                 "enforce_eager", "disable_by_batch_size", "draft_length", "min_draft_acceptance", "governor"}
+                 "enforce_eager", "disable_by_batch_size", "draft_length", "min_draft_acceptance", "governor",
+                 "draft_on_device"}
         unknown = sorted(set(d) - known)
         check(not unknown, "speculative_config", f"has unknown keys {unknown}; known: {sorted(known)}")
         check("method" in d and "num_speculative_tokens" in d, "speculative_config",

@@ -32,6 +32,7 @@ from truespec.core.scheduler import Scheduler
 from truespec.core.scheduler_output import SchedulerOutput
 from truespec.core.sequence import PLACEHOLDER, Sequence
 from truespec.spec_decode.interface import DeviceDrafter
+from truespec.spec_decode.model_drafter import ModelDrafter
 from truespec.worker.input_builder import to_device_async
 from truespec.worker.model_runner import LaunchedStep, ModelRunner
 
@@ -40,11 +41,11 @@ def queued_steps(async_scheduling: bool | None, device_type: str, proposer: obje
     """(decodes queued ahead, verifies queued ahead) for an engine's ``async_scheduling`` (None: on for CUDA, off on
     CPU) and proposer. Decodes: with any proposer, for the steps that draft nothing (ngram indexes the tokens it
     skipped when it drafts again; a model drafter defers its catch-up, spec_decode/model_drafter.py). Verifies:
-    with a proposer that drafts on the device (MTP / EAGLE, ngram; a draft model keeps its steps on the host, see
-    ``ModelDrafter.can_draft_on_device``): for MTP faster than planning them on the host at every batch size
-    measured (BENCHMARKS.md, session 15)."""
+    with a proposer that drafts on the device (MTP / EAGLE; a draft model keeps its steps on the host, see
+    ``ModelDrafter.can_draft_on_device``; ngram with ``draft_on_device``): for MTP faster than planning them on the
+    host at every batch size measured (BENCHMARKS.md, session 15)."""
     is_async = async_scheduling if async_scheduling is not None else device_type == "cuda"
-    return is_async, is_async and hasattr(proposer, "draft_on_device")
+    return is_async, is_async and getattr(proposer, "can_draft_on_device", isinstance(proposer, ModelDrafter))
 
 
 class AsyncScheduler:

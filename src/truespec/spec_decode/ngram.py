@@ -37,10 +37,11 @@ class NgramProposer:
     behind a greedy step queued on the device, from the device's copy of the tokens (ngram_on_device.py)."""
 
     catches_up = False  # a request's index catches up on its tokens when it drafts
-    can_draft_on_device = True
     defers_while_off = True  # while drafting is off, nothing is drafted on the device (nor indexed on the host)
 
-    def __init__(self, num_speculative_tokens: int, prompt_lookup_min: int, prompt_lookup_max: int) -> None:
+    def __init__(self, num_speculative_tokens: int, prompt_lookup_min: int, prompt_lookup_max: int,
+                 draft_on_device: bool = False) -> None:
+        self.can_draft_on_device = draft_on_device  # speculative_config.draft_on_device
         self.k = num_speculative_tokens
         self.min_n = prompt_lookup_min
         self.max_n = prompt_lookup_max

@@ -59,7 +59,7 @@ def make_proposer(config: SpeculativeConfig | None, head: torch.nn.Module | None
         return None
     k = config.num_speculative_tokens
     if config.method == "ngram":
-        return NgramProposer(k, config.prompt_lookup_min, config.prompt_lookup_max)
+        return NgramProposer(k, config.prompt_lookup_min, config.prompt_lookup_max, bool(config.draft_on_device))
     if config.enforce_eager:
         graphs = replace(graphs, mode="NONE")
     return ModelDrafter(head, k, num_blocks, num_state_slots, device, seed, graphs, hidden_size, kv_cache_dtype)
