@@ -176,3 +176,33 @@ def test_which_steps_are_queued_ahead(async_scheduling: bool | None, device: str
     made = {None: None, "ngram": NgramProposer(3, 2, 2), "ngram on device": NgramProposer(3, 2, 2, True),
             "model": object.__new__(ModelDrafter)}[proposer]
     assert queued_steps(async_scheduling, device, made) == expected
+
+
+def test_draft_on_device_without_async_scheduling_says_it_has_no_effect(caplog: pytest.LogCaptureFixture) -> None:
+    from truespec.engine.async_scheduler import queued_steps
+    from truespec.spec_decode.ngram import NgramProposer
+
+    assert queued_steps(None, "cpu", NgramProposer(3, 2, 2, True)) == (False, False)
+    assert "speculative_config.draft_on_device has no effect" in caplog.text
+
+
+def test_a_dropped_queued_step_reports_its_finished_requests_again() -> None:
+    """A queued step whose requests all stopped is dropped unread; the requests that finished before it was planned
+    (reported with it) are reported with the next step, so the runner and proposer forget them (no leak)."""
+    from types import SimpleNamespace
+
+    from truespec.engine.async_scheduler import AsyncScheduler
+
+    reported: list[str] = []
+    scheduler = SimpleNamespace(report_finished=reported.extend)
+    stopped = SimpleNamespace(is_finished=True)
+    overlap = AsyncScheduler(scheduler, None, {"a": stopped}, enabled=True)
+    step = SimpleNamespace(sched=SimpleNamespace(scheduled=[SimpleNamespace(request_id="a")],
+                                                 finished_req_ids=["b", "c"]))
+    overlap.inflight = step
+    overlap.drop_if_finished()
+    assert overlap.inflight is None and reported == ["b", "c"]
+    overlap.seqs["a"] = SimpleNamespace(is_finished=False)  # still running: the step stays, nothing re-reported
+    overlap.inflight = step
+    overlap.drop_if_finished()
+    assert overlap.inflight is step and reported == ["b", "c"]

@@ -120,6 +120,10 @@ def assert_all_free(llm: LLM) -> None:
     assert info["num_free_blocks"] == info["num_blocks"]
     assert info["num_free_state_slots"] == info["num_state_slots"]
     assert llm.llm_engine.overlap.inflight is None
+    proposer = llm.llm_engine.proposer
+    if hasattr(proposer, "on_device"):  # ngram: after an idle step (the last finishes reach it) it holds nothing
+        llm.llm_engine.step()
+        assert not proposer.on_device.rows and not proposer.indexes
 
 
 @pytest.mark.parametrize("method, max_num_seqs", [("mtp", 1), ("mtp", 6), ("eagle", 4), ("ngram", 1), ("ngram", 6)])
@@ -246,7 +250,7 @@ def test_ngram_drafts_on_device_are_the_host_proposers(embedded: tuple) -> None:
             assert index.catch_up(request)
             host = index.lookup(num_drafts)
             assert ids[1:1 + len(host)] == host
-            checked.append(len(host))
+            checked.append((len(host), step.shift is not None))
         return drafts
 
     on_device.draft_on_device = checked_draft
@@ -255,7 +259,7 @@ def test_ngram_drafts_on_device_are_the_host_proposers(embedded: tuple) -> None:
         truth[request_id] = engine.seqs[request_id].prompt_token_ids + ref
     while engine.has_unfinished_requests():
         engine.step()
-    assert len(checked) > 50 and sum(n > 0 for n in checked) > 10  # many steps, many with host drafts
-    assert engine.overlap.num_async_steps > 0
+    assert len(checked) > 50 and sum(n > 0 for n, _ in checked) > 10  # many steps, many with host drafts
+    assert sum(shifted for _, shifted in checked) > 20  # many of them behind a verify queued ahead
     engine.step()  # idle: the finishes of the last step are reported to the proposer
     assert not on_device.rows and len(on_device.free) == on_device.history.shape[0]  # every row back

@@ -24,6 +24,7 @@ computed as without the overlap (docs/ARCHITECTURE.md, invariant 1), so outputs 
 (tests/test_async_scheduling.py, tests/test_async_spec.py).
 """
 
+import logging
 from collections.abc import Callable
 
 import torch
@@ -32,9 +33,11 @@ from truespec.core.scheduler import Scheduler
 from truespec.core.scheduler_output import SchedulerOutput
 from truespec.core.sequence import PLACEHOLDER, Sequence
 from truespec.spec_decode.interface import DeviceDrafter
-from truespec.spec_decode.model_drafter import ModelDrafter
+from truespec.spec_decode.ngram import NgramProposer
 from truespec.worker.input_builder import to_device_async
 from truespec.worker.model_runner import LaunchedStep, ModelRunner
+
+logger = logging.getLogger("truespec")
 
 
 def queued_steps(async_scheduling: bool | None, device_type: str, proposer: object | None) -> tuple[bool, bool]:
@@ -45,7 +48,10 @@ def queued_steps(async_scheduling: bool | None, device_type: str, proposer: obje
     ``ModelDrafter.can_draft_on_device``; ngram with ``draft_on_device``): for MTP faster than planning them on the
     host at every batch size measured (BENCHMARKS.md, session 15)."""
     is_async = async_scheduling if async_scheduling is not None else device_type == "cuda"
-    return is_async, is_async and getattr(proposer, "can_draft_on_device", isinstance(proposer, ModelDrafter))
+    if not is_async and isinstance(proposer, NgramProposer) and proposer.can_draft_on_device:
+        logger.warning("speculative_config.draft_on_device has no effect without async scheduling (async_scheduling="
+                       "%s on %s): ngram drafts on the host", async_scheduling, device_type)
+    return is_async, is_async and getattr(proposer, "can_draft_on_device", False)
 
 
 class AsyncScheduler:
@@ -134,7 +140,8 @@ class AsyncScheduler:
         without logprobs, and its blocks cover the drafts' positions (a step planned ahead allocated them)."""
         if self.drafter is None or self.drafter.is_behind([r.request_id for r in sched.scheduled]):
             return False  # a request whose catch-up was deferred catches up on the host (``ModelDrafter.propose``)
-        reach = self.drafter.k - 1 if not is_ahead else 0  # the last draft's position past the query
+        # the last position past the query the drafter writes KV at (a model drafter's last draft; ngram none)
+        reach = max(self.drafter.num_lookahead_tokens - 1, 0) if not is_ahead else 0
         block_size = self.scheduler.kv.block_size
         return all(r.is_last_chunk and r.num_new_tokens == 1 and r.params.is_greedy and r.params.logprobs is None
                    and r.num_computed_tokens + r.num_scheduled_tokens + reach <= len(r.block_ids) * block_size
@@ -154,7 +161,8 @@ class AsyncScheduler:
                 return False  # it may finish at ``launched``, or its next rows may need min_tokens bans
             num_drafts = min(self.num_drafts(seq.request_id, True), room - 1, k)  # every request is greedy here
             start = seq.num_computed_tokens + 1  # as if ``launched`` accepts nothing; the device adds what it did
-            plans.append((seq, start, num_drafts, start + num_drafts_now + 1 + num_drafts + self.drafter.k))
+            end = start + num_drafts_now + 1 + num_drafts  # if ``launched`` accepts every draft
+            plans.append((seq, start, num_drafts, end + self.drafter.num_lookahead_tokens))
         if sum(1 + d for _, _, d, _ in plans) > self.scheduler.max_num_batched_tokens:
             return False
         out = self.scheduler.schedule_verify_ahead(plans)
@@ -172,8 +180,11 @@ class AsyncScheduler:
         return True
 
     def drop_if_finished(self) -> None:
-        """Forget a queued step whose requests all stopped or were aborted: nothing will read its tokens."""
+        """Forget a queued step whose requests all stopped or were aborted: nothing will read its tokens. The
+        finished requests it reported are reported again with the next step (else the runner and proposer would
+        keep what they hold for them)."""
         if self.inflight is not None and all(self._is_done(r.request_id) for r in self.inflight.sched.scheduled):
+            self.scheduler.report_finished(self.inflight.sched.finished_req_ids)
             self.inflight = None
 
     def _is_done(self, request_id: str) -> bool:

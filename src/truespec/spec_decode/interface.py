@@ -82,12 +82,12 @@ class DeviceDrafter(Protocol):
     k: int
     can_draft_on_device: bool
     defers_while_off: bool  # while drafting is off, nothing is drafted behind a step (the next one is a decode)
+    num_lookahead_tokens: int  # KV positions past a step's query it writes (its drafts'): blocks a step must hold
 
     def is_behind(self, request_ids: list[str]) -> bool:
         """Whether one of these requests must catch up on the host before it drafts on the device."""
         ...
 
-    def draft_on_device(self, step: "LaunchedStep", num_drafts: int | None = None,
-                        seqs: "dict[str, Sequence] | None" = None) -> "DeviceDrafts":
+    def draft_on_device(self, step: "LaunchedStep", num_drafts: int, seqs: "dict[str, Sequence]") -> "DeviceDrafts":
         """Queue ``step``'s accepted counts and each request's next token and ``num_drafts`` (None: k) drafts."""
         ...

@@ -55,6 +55,7 @@ class _Job:
 
 class ModelDrafter:
     catches_up = True  # its caches follow every position a request computes
+    can_draft_on_device = True  # __init__ decides per head (True: one without recurrent state, reading the target's)
 
     def __init__(self, head: torch.nn.Module, k: int, num_blocks: int, num_state_slots: int, device: torch.device,
                  seed: int, graphs: GraphSettings, hidden_size: int | None = None,
@@ -127,13 +128,18 @@ class ModelDrafter:
         return self.deferred.is_behind(request_ids)
 
     @property
+    def num_lookahead_tokens(self) -> int:
+        """KV positions past a step's query its drafts write."""
+        return self.k
+
+    @property
     def defers_while_off(self) -> bool:
         """While drafting is off, the catch-up waits (so nothing is drafted behind a step on the device)."""
         return self.deferred.limit > 0
 
     @torch.inference_mode()
     def draft_on_device(self, step: LaunchedStep, num_drafts: int | None = None,
-                        seqs: object = None) -> DeviceDrafts:
+                        seqs: dict[str, object] | None = None) -> DeviceDrafts:
         """Queue a greedy step's acceptance, catch-up and ``num_drafts`` (k or 0; None: k) drafts per request on the
         device, nothing read back (``seqs``: unused; ngram_on_device.py reads them).
 

@@ -4,7 +4,7 @@ The drafts: ``min(k, max_drafts)`` tokens that followed the most recent earlier 
 n-gram (n from max_n down to min_n; an occurrence starts before ``len - n``, so it is not the suffix itself), []
 when none occurred. Where fewer tokens follow the occurrence (it is recent: the text repeats with the period from
 it to the end), they are repeated: vLLM stops at the end, but a loop, or an edit copying repeated lines, goes on
-with the same period (session 17, the embedded model's edit prompts at one request: mean acceptance length 6.4
+with the same period (session 17, the embedded model's edit prompts at one request: mean acceptance length 7.0
 with drafts repeated so, 3.7 without). Scanning the whole history for that on every step costs O(len) host time
 per request, milliseconds a step at batch size 64 with long contexts, while a decode step on the device takes one
 or two; so each request keeps an index that grows with its tokens (tokens are only ever appended: prompt, then
@@ -38,6 +38,7 @@ class NgramProposer:
 
     catches_up = False  # a request's index catches up on its tokens when it drafts
     defers_while_off = True  # while drafting is off, nothing is drafted on the device (nor indexed on the host)
+    num_lookahead_tokens = 0  # it writes no KV
 
     def __init__(self, num_speculative_tokens: int, prompt_lookup_min: int, prompt_lookup_max: int,
                  draft_on_device: bool = False) -> None:
@@ -68,10 +69,10 @@ class NgramProposer:
     def is_behind(self, request_ids: list[str]) -> bool:
         return False  # nothing to catch up: a request's tokens are copied when it drafts
 
-    def draft_on_device(self, step: LaunchedStep, num_drafts: int | None = None,
-                        seqs: dict[str, Sequence] | None = None) -> DeviceDrafts:
-        """``NgramOnDevice.draft_on_device`` (``num_drafts`` None: k); ``seqs``: the engine's requests."""
-        return self.on_device.draft_on_device(step, self.k if num_drafts is None else num_drafts, seqs)
+    def draft_on_device(self, step: LaunchedStep, num_drafts: int, seqs: dict[str, Sequence]) -> DeviceDrafts:
+        """``NgramOnDevice.draft_on_device``; ``seqs``: the engine's requests."""
+        self.forget(step.sched.finished_req_ids)  # the host indexes too (the device's rows: there)
+        return self.on_device.draft_on_device(step, num_drafts, seqs)
 
     def _index(self, r: DraftRequest) -> "NgramIndex":
         """``r``'s index, caught up on its new tokens; a fresh one when ``r`` is new, is another request under a

@@ -15,7 +15,8 @@ of ``history`` per request) and, behind every greedy decode / verify step:
 A row holds a request's tokens ``0 .. known - 1`` as far as the host knows. A step planned on the host first copies
 the request's tokens since ``known`` (a request's tokens are only ever appended); a step queued ahead follows one that
 drafted here, whose writes already hold its tokens. Rows go when their requests finish (``forget``); ``history``
-grows (rows and width, by doubling) as requests and positions need.
+grows as requests and positions need (rows by doubling, the width in steps of 1,024 ids), outside the KV cache's
+memory budget: 4 bytes per row and id (a few MB for 64 requests of 8K tokens).
 """
 
 from dataclasses import dataclass
@@ -28,6 +29,9 @@ from truespec.ops.ngram_match import ngram_step_ref
 from truespec.spec_decode.device_drafts import DeviceDrafts, greedy_accepted
 from truespec.worker.input_builder import to_device_async
 from truespec.worker.model_runner import LaunchedStep
+
+MIN_ROWS = 8
+WIDTH_STEP = 1024  # a row's width grows in these steps (doubling could waste half of a long context's memory)
 
 
 @dataclass(slots=True)
@@ -57,8 +61,10 @@ class NgramOnDevice:
         self.forget(step.sched.finished_req_ids)
         scheduled, device = step.sched.scheduled, step.argmax.device
         num_tokens, num_reqs = len(step.positions), len(scheduled)
-        # a queued step's positions move <= k further; its rows write one past them
-        self._reserve(num_reqs, max(step.positions) + self.k + 3, device)
+        # ids up to the last query row's position + 1 are written; a queued step's rows moved <= k further on
+        needed = max(step.positions) + self.k + 2
+        if self.history is None or needed > self.history.shape[1]:
+            self._grow(max(MIN_ROWS, num_reqs), -(-needed // WIDTH_STEP) * WIDTH_STEP, device)
         indices, copy_rows, copy_positions, copy_tokens = [], [], [], []
         for r in scheduled:
             seq = seqs[r.request_id]
@@ -97,24 +103,21 @@ class NgramOnDevice:
         if row is None or row.prompt_token_ids is not seq.prompt_token_ids:
             if row is not None:
                 self.free.append(row.index)
+            if not self.free:
+                self._grow(2 * self.history.shape[0], self.history.shape[1])
             row = self.rows[request_id] = _Row(self.free.pop(), seq.prompt_token_ids, 0)
         return row
 
-    def _reserve(self, num_new_rows: int, width: int, device: torch.device) -> None:
-        """Grow ``history`` (doubling) so that ``num_new_rows`` more rows are free and rows hold ``width`` ids."""
-        history = self.history
-        num_rows = 0 if history is None else history.shape[0]
-        old_width = 0 if history is None else history.shape[1]
-        rows_needed = len(self.rows) + num_new_rows
-        if history is not None and rows_needed <= num_rows and width <= old_width:
+    def _grow(self, num_rows: int, width: int, device: torch.device | None = None) -> None:
+        """``history`` with ``num_rows`` rows of ``width`` ids (neither shrinks), its contents kept (the copy is queued
+        after every launch that reads the old tensor)."""
+        old = self.history
+        old_rows, old_width = (0, 0) if old is None else old.shape
+        num_rows, width = max(num_rows, old_rows), max(width, old_width)
+        if num_rows == old_rows and width == old_width:
             return
-        new_rows, new_width = max(num_rows, 8), max(old_width, 256)
-        while new_rows < rows_needed:
-            new_rows *= 2
-        while new_width < width:
-            new_width *= 2
-        grown = torch.zeros(new_rows, new_width, dtype=torch.int32, device=device)
-        if history is not None:
-            grown[:num_rows, :old_width] = history
-        self.free += range(num_rows, new_rows)
+        grown = torch.zeros(num_rows, width, dtype=torch.int32, device=old.device if old is not None else device)
+        if old is not None:
+            grown[:old_rows, :old_width] = old
+        self.free += range(old_rows, num_rows)
         self.history = grown
