@@ -13,7 +13,8 @@ decode together, new ones joining as others finish); greedy, ignore_eos. One eng
 (method, b) first runs all its prompts once untimed (the governor measures in that run too). With ``--interleave R``
 all engines are built first and measured in turn, R rounds per batch size, each reporting its median run: the host's
 speed drifts between runs and processes (session 16: "none" alone 12,990 tok/s at BS 16, after another engine in one
-process 20,999), and alternating cancels slow drift. With a governor ("auto" methods), each JSON row also has
+process 20,999), and alternating cancels slow drift; ``x_none_paired`` (printed as "paired") is the median over
+rounds of each run over the same round's "none" run. With a governor ("auto" methods), each JSON row also has
 ``governor_steps``: per mode, the steps the governor counted and those it did not (prefill chunks, mode switches),
 with their request-seconds and tokens per request-second, to check its estimates against where the time went.
 Prints a markdown table last.
@@ -208,6 +209,9 @@ def main() -> None:
                 ranked = sorted(runs_of, key=lambda r: r["tok_s"])
                 results.setdefault(name, {})[b] = r = ranked[len(ranked) // 2] | {
                     "tok_s_runs": [x["tok_s"] for x in runs_of], "gc_ms_runs": [x["gc_ms"] for x in runs_of]}
+                if "none" in samples:  # each round's run over that round's "none" (the rounds' drift cancels)
+                    paired = [x["tok_s"] / n["tok_s"] for x, n in zip(runs_of, samples["none"], strict=True)]
+                    r["x_none_paired"] = sorted(paired)[len(paired) // 2]
                 print(f"{name} BS={b}: {r}", flush=True)
     for method, governor in runs if not args.interleave else []:
         name, llm = make(method, governor)
@@ -227,7 +231,8 @@ def main() -> None:
         cells = []
         for b, r in by_bs.items():
             base = results.get("none", {}).get(b)
-            ratio = f" ({r['tok_s'] / base['tok_s']:.2f}x)" if base else ""
+            paired = f", paired {r['x_none_paired']:.2f}x" if "x_none_paired" in r else ""
+            ratio = f" ({r['tok_s'] / base['tok_s']:.2f}x{paired})" if base else ""
             acc = f" [{r['accept_len']:.2f}]" if r["accept_len"] else ""
             cells.append(f"{r['tok_s']:,.0f}{ratio}{acc} {r['ttft_ms']:.1f} / {r['tpot_ms']:.2f}")
         print(f"| {name} | " + " | ".join(cells) + " |")
