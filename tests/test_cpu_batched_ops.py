@@ -163,3 +163,24 @@ def test_batched_gdn_in_place_only_for_own_consecutive_slots() -> None:
     assert in_place([(1, 3, 4, 0), (1, 4, 5, 0)]) is None  # kept elsewhere (a verify group's next slot)
     assert in_place([(2, 3, 3, 0), (1, 5, 5, 0)]) is None  # more than one token
     assert in_place([(1, -1, 3, 0)]) is None  # from zeros
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("input_act", [None, "silu"])
+def test_cpu_projection_row_is_bitwise_same_alone_and_in_batches(dtype: torch.dtype, input_act: str | None) -> None:
+    """A projection row (a decode row alone, or among the 1 + k rows of a verify, or a batch) on the CPU: the same
+    bits at every row count (invariant 4). The CPU BLAS rounds 1, 2-3 and 4+ rows differently on some CPUs (an AMD
+    EPYC, session 17); ``linear`` pads fewer than 4 rows, so this test fails there without it."""
+    from truespec.layers.linear import linear
+
+    gen = torch.Generator().manual_seed(5)
+    for in_features, out_features in [(256, 776), (64, 48), (1024, 300)]:
+        width = in_features * (2 if input_act else 1)
+        weight = torch.randn(out_features, in_features, generator=gen, dtype=dtype)
+        bias = torch.randn(out_features, generator=gen, dtype=dtype)
+        x = torch.randn(70, width, generator=gen, dtype=dtype)
+        full = linear(x, weight, bias, input_act=input_act)
+        for num_rows in [1, 2, 3, 4, 5, 9, 17, 64]:
+            for start in (0, 70 - num_rows):
+                rows = linear(x[start:start + num_rows], weight, bias, input_act=input_act)
+                assert torch.equal(rows, full[start:start + num_rows]), (in_features, num_rows, start)

@@ -7,7 +7,8 @@ decode row alone, inside a verify of 1 + k rows, among other requests, beside a 
 cannot change a token by rounding (docs/ARCHITECTURE.md, invariant 4). ``batch_invariant=False`` (the engine's
 ``batch_invariant`` setting, through ``set_batch_invariant``) keeps the earlier path instead: one-row 16-bit
 steps through the skinny matrix-vector kernel (kernels/skinny_matmul.py), everything else through cuBLAS, which
-picks its algorithm by row count. CPU and fp64 keep torch.
+picks its algorithm by row count. CPU and fp64 keep torch (on the CPU, with the rows padded to a multiple of 4, which
+makes each row's bits independent of the others there: ``_padded_linear``).
 
 ``linear(gate_up, weight, bias, input_act=act)`` is ``linear(act_and_mul(gate_up, act), weight, bias)``, the
 down projection of a gated MLP: where the kernels run, act(gate) * up is computed as the input is loaded (one
@@ -37,6 +38,7 @@ from truespec.layers.backend import kernels, use_kernels
 _SUFFIXES = ("weight", "bias")
 _SKINNY_DTYPES = (torch.bfloat16, torch.float16)
 _INVARIANT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+CPU_ROW_MULTIPLE = 4  # a CPU projection runs on a multiple of this many rows (``_padded_linear``)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, input_act: str | None = None,
@@ -48,10 +50,23 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             x, input_act = act_and_mul(x, input_act), None
         return kernels().row_invariant_matmul(x, weight, bias, input_act=input_act)
     if input_act is not None:
-        return _act_and_linear(x, weight, bias, input_act)
+        return _act_and_linear(x, weight, bias, input_act, batch_invariant)
     if _is_skinny(x, weight):
         return kernels().skinny_matmul(x, weight, bias)
+    if batch_invariant and x.dim() == 2 and x.shape[0] % CPU_ROW_MULTIPLE and x.device.type == "cpu":
+        return _padded_linear(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+def _padded_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear`` of ``x``'s rows computed among a multiple of CPU_ROW_MULTIPLE rows (zeros below them). The CPU
+    BLAS rounds a row by the kernel it picks: one for a single row, another for 2-3, and rows in a last partial tile
+    of 4 differently again (measured on an AMD EPYC in fp32 and fp64, session 17), so a lone decode row and the same
+    row in a verify, or a request's rows at another place in the batch, would differ. Padded, every row is computed
+    as a row of a full tile (tests/test_cpu_batched_ops.py)."""
+    num_rows = x.shape[0]
+    padded = torch.cat([x, x.new_zeros(-num_rows % CPU_ROW_MULTIPLE, x.shape[1])])
+    return F.linear(padded, weight, bias)[:num_rows]
 
 
 def _is_invariant(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -64,12 +79,13 @@ def _is_skinny(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return x.dim() == 2 and x.shape[0] == 1 and x.dtype in _SKINNY_DTYPES and weight.dtype == x.dtype and use_kernels(x)
 
 
-def _act_and_linear(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, act: str) -> torch.Tensor:
+def _act_and_linear(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, act: str,
+                    batch_invariant: bool) -> torch.Tensor:
     """``linear(act_and_mul(gate_up, act), weight, bias)`` off the invariant path. Where those two steps would be
     the act_mul kernel and the skinny kernel, one skinny launch computes act(gate) * up as it reads the row."""
     if _is_skinny(gate_up, weight) and can_use_act_mul_kernel(*gate_up.chunk(2, dim=-1), act):
         return kernels().skinny_matmul(gate_up, weight, bias, input_act=act)
-    return linear(act_and_mul(gate_up, act), weight, bias, batch_invariant=False)
+    return linear(act_and_mul(gate_up, act), weight, bias, batch_invariant=batch_invariant)
 
 
 def set_batch_invariant(module: nn.Module, enabled: bool) -> None:
