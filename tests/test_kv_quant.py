@@ -273,3 +273,19 @@ def test_unknown_kv_cache_dtype_is_an_error_naming_the_field() -> None:
     with pytest.raises(ValueError, match="kv_cache_dtype 'turboquant_4bit_nc' needs a power-of-two head_dim"):
         kv_format("turboquant_4bit_nc").check_head_dim(96)
     kv_format("turboquant_k8v4").check_head_dim(96)  # fp8 keys are never rotated
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_rotation_row_is_bitwise_same_alone_and_in_batches_on_cpu(dtype: torch.dtype) -> None:
+    """A key rotated at store (a decode's one token, a verify's 1 + k, a prefill chunk) or back at read: the same
+    bits whatever rows share the call (invariant 4; the CPU BLAS rounds by row count unless the rows are padded)."""
+    from truespec.ops.kv_quant import rotate
+
+    gen = torch.Generator().manual_seed(3)
+    for head_dim in (64, 128, 256):
+        x = torch.randn(75, 2, head_dim, generator=gen, dtype=dtype)  # [T, H, D]
+        full = rotate(x)
+        for num_tokens in (1, 2, 3, 4, 5, 9, 33):
+            for start in (0, 75 - num_tokens, 6):
+                assert torch.equal(rotate(x[start:start + num_tokens]), full[start:start + num_tokens]), \
+                    (head_dim, num_tokens, start)

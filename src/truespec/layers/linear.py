@@ -34,11 +34,11 @@ from torch import nn
 
 from truespec.layers.activation import act_and_mul, can_use_act_mul_kernel
 from truespec.layers.backend import kernels, use_kernels
+from truespec.ops.linear import CPU_ROW_MULTIPLE, padded_rows
 
 _SUFFIXES = ("weight", "bias")
 _SKINNY_DTYPES = (torch.bfloat16, torch.float16)
 _INVARIANT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-CPU_ROW_MULTIPLE = 4  # a CPU projection runs on a multiple of this many rows (``_padded_linear``)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, input_act: str | None = None,
@@ -59,14 +59,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def _padded_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``F.linear`` of ``x``'s rows computed among a multiple of CPU_ROW_MULTIPLE rows (zeros below them). The CPU
-    BLAS rounds a row by the kernel it picks: one for a single row, another for 2-3, and rows in a last partial tile
-    of 4 differently again (measured on an AMD EPYC in fp32 and fp64, session 17), so a lone decode row and the same
-    row in a verify, or a request's rows at another place in the batch, would differ. Padded, every row is computed
-    as a row of a full tile (tests/test_cpu_batched_ops.py)."""
-    num_rows = x.shape[0]
-    padded = torch.cat([x, x.new_zeros(-num_rows % CPU_ROW_MULTIPLE, x.shape[1])])
-    return F.linear(padded, weight, bias)[:num_rows]
+    """``F.linear`` of ``x``'s rows computed among a multiple of CPU_ROW_MULTIPLE rows (``ops.linear.padded_rows``
+    says why): a lone decode row and the same row in a verify, or at another place in the batch, get the same bits."""
+    return F.linear(padded_rows(x), weight, bias)[:x.shape[0]]
 
 
 def _is_invariant(x: torch.Tensor, weight: torch.Tensor) -> bool:

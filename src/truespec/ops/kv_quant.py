@@ -30,6 +30,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from truespec.ops.linear import padded_rows
 from truespec.ops.lloyd_max import codebook_codes, lloyd_max_codebook
 from truespec.ops.precision import compute_dtype
 
@@ -98,8 +99,13 @@ def hadamard(head_dim: int, dtype: torch.dtype = torch.float32, device: torch.de
 
 
 def rotate(x: torch.Tensor) -> torch.Tensor:
-    """x [..., D] @ H_D in x's dtype. H is its own inverse, so the same call rotates back."""
-    return torch.matmul(x, hadamard(x.shape[-1], x.dtype, x.device))
+    """x [..., D] @ H_D in x's dtype. H is its own inverse, so the same call rotates back. On the CPU the rows run
+    padded (``ops.linear.padded_rows``), so a key's bits do not depend on how many are stored or read with it."""
+    h = hadamard(x.shape[-1], x.dtype, x.device)
+    if x.device.type != "cpu":
+        return torch.matmul(x, h)
+    rows = x.reshape(-1, x.shape[-1])
+    return torch.matmul(padded_rows(rows), h)[:rows.shape[0]].view(x.shape)
 
 
 def fp8_store(x: torch.Tensor, scale: float = DEFAULT_KV_SCALE) -> torch.Tensor:
