@@ -12,6 +12,8 @@ from collections.abc import Callable
 import pytest
 import torch
 
+from truespec.ops.linear import padded_rows
+
 if not torch.cuda.is_available():  # the interpreter must be on before truespec.kernels is first imported
     os.environ["TRITON_INTERPRET"] = "1"
 
@@ -134,9 +136,12 @@ def two_step_mlp(mlp: GatedMLP, x: torch.Tensor, matmul: Callable, act_mul_fn: C
 def test_gated_mlp_fuses_act_mul_only_into_one_row_16bit_kernel_steps(monkeypatch: pytest.MonkeyPatch) -> None:
     """Off the batch-invariant path (``batch_invariant=False``): the earlier dispatch."""
     torch.manual_seed(0)
-    x64 = torch.randn(1, 40, dtype=torch.float64)  # the CPU float64 path (exactness tests): torch, as before
+    x64 = torch.randn(1, 40, dtype=torch.float64)  # the CPU float64 path (exactness tests): torch, on 4 rows
     mlp64 = GatedMLP(40, 70, "silu", bias=True).to(torch.float64)
-    assert torch.equal(bits(mlp64(x64)), bits(two_step_mlp(mlp64, x64, torch.nn.functional.linear, act_mul_ref)))
+
+    def padded_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+        return torch.nn.functional.linear(padded_rows(x), w, b)[:x.shape[0]]
+    assert torch.equal(bits(mlp64(x64)), bits(two_step_mlp(mlp64, x64, padded_linear, act_mul_ref)))
     skinny_calls, act_mul_calls = spy(monkeypatch, "skinny_matmul"), spy(monkeypatch, "act_mul")
     cases = [  # (kernels on, dtype, rows, activation, the input_act of each skinny call, number of act_mul calls)
         (True, torch.bfloat16, 1, "silu", [None, "silu"], 0),  # one row: gate_up, then down with act_mul fused in
