@@ -13,7 +13,7 @@ from truespec.kernels.causal_conv1d import causal_conv1d
 from truespec.kernels.gdn_gating import gdn_gating
 from truespec.kernels.gdn_recurrent import gdn_recurrent
 from truespec.kernels.kv_store_packed import store_packed
-from truespec.kernels.ngram_match import ngram_match, ngram_step
+from truespec.kernels.ngram_match import ngram_step
 from truespec.kernels.paged_attention import paged_attention
 from truespec.kernels.paged_attention_packed import paged_attention_packed
 from truespec.kernels.qk_norm_rope import qk_norm_rope
@@ -67,7 +67,6 @@ __all__ = [
     "greedy_accepted_ref",
     "move_positions",
     "move_positions_ref",
-    "ngram_match",
     "ngram_match_ref",
     "ngram_step",
     "ngram_step_ref",

@@ -1,14 +1,13 @@
-"""Prompt-lookup (n-gram) drafts in one launch (torch reference: ops/ngram_match.py).
+"""A greedy step's prompt-lookup (n-gram) drafting in one launch (torch reference: ops/ngram_match.ngram_step_ref).
 
-One program per request reads its length from device memory, so the launch needs nothing from the host but the
-request count: it can be queued while the lengths are still being computed on the device. For each n, longest
-first, it walks the candidate end positions backwards from ``L - 2`` in blocks of BLOCK, comparing the n tokens
-ending at each with the suffix n-gram (n masked loads a block), and stops at the first block that holds a match:
-its largest matching position is the most recent occurrence. Work per request is O(L * (sum of n)) at worst and
-usually one block per n, as matches tend to be recent. Loads are masked to positions below the request's length.
-
-``ngram_step`` is a greedy step's whole drafting in the same one launch: each program first writes its request's
-query rows' argmax into the history, then (after a barrier) matches with the length the accepted count gives.
+One program per request reads every per-request value from device memory, so the launch needs nothing from the host
+but the request count: it can be queued while the accepted counts are still being computed on the device. Each
+program first writes its request's query rows' argmax into the history, then (after a barrier) matches with the
+length the accepted count gives: for each n, longest first, it walks the candidate end positions backwards from
+``L - 2`` in blocks of BLOCK, comparing the n tokens ending at each with the suffix n-gram (n masked loads a block),
+and stops at the first block that holds a match: its largest matching position is the most recent occurrence. Work
+per request is O(L * (sum of n)) at worst and usually one block per n, as matches tend to be recent. Loads are
+masked to positions below the request's length.
 """
 
 import torch
@@ -41,18 +40,6 @@ def _draft_positions(tokens_ptr, length, MIN_N: tl.constexpr, MAX_N: tl.constexp
 
 
 @triton.jit
-def _ngram_match_kernel(history_ptr, rows_ptr, lengths_ptr, out_ptr, stride_history, MIN_N: tl.constexpr,
-                        MAX_N: tl.constexpr, K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK: tl.constexpr):
-    r = tl.program_id(0)
-    tokens_ptr = history_ptr + tl.load(rows_ptr + r) * stride_history
-    length = tl.load(lengths_ptr + r)
-    at = _draft_positions(tokens_ptr, length, MIN_N, MAX_N, BLOCK_K, BLOCK)
-    j = tl.arange(0, BLOCK_K)
-    drafts = tl.load(tokens_ptr + at, mask=(j < K) & (length > 0), other=0)
-    tl.store(out_ptr + r * K + j, drafts.to(tl.int64), mask=j < K)
-
-
-@triton.jit
 def _ngram_step_kernel(history_ptr, rows_ptr, positions_ptr, query_start_loc_ptr, argmax_ptr, num_accepted_ptr,
                        out_ptr, stride_history, MIN_N: tl.constexpr, MAX_N: tl.constexpr, K: tl.constexpr,
                        BLOCK_K: tl.constexpr, BLOCK: tl.constexpr):
@@ -75,18 +62,6 @@ def _ngram_step_kernel(history_ptr, rows_ptr, positions_ptr, query_start_loc_ptr
         j = tl.arange(0, BLOCK_K)
         drafts = tl.load(tokens_ptr + at, mask=j < K, other=0)  # length >= 2: every position holds a token
         tl.store(out_ptr + r * (1 + K) + 1 + j, drafts.to(tl.int64), mask=j < K)
-
-
-def ngram_match(history: torch.Tensor, rows: torch.Tensor, lengths: torch.Tensor, min_n: int, max_n: int, k: int,
-                block: int = 128) -> torch.Tensor:
-    """``ops.ngram_match.ngram_match_ref`` in one launch, with no host sync (``block``: candidate ends a step, a
-    power of two; tests pass a small one to cross block edges on short histories). history's rows contiguous."""
-    assert history.stride(1) == 1
-    out = torch.empty(len(rows), k, dtype=torch.int64, device=history.device)
-    if len(rows):
-        _ngram_match_kernel[(len(rows),)](history, rows, lengths, out, history.stride(0), MIN_N=min_n, MAX_N=max_n,
-                                          K=k, BLOCK_K=triton.next_power_of_2(k), BLOCK=block)
-    return out
 
 
 def ngram_step(history: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor, query_start_loc: torch.Tensor,

@@ -89,5 +89,6 @@ class DeviceDrafter(Protocol):
         ...
 
     def draft_on_device(self, step: "LaunchedStep", num_drafts: int, seqs: "dict[str, Sequence]") -> "DeviceDrafts":
-        """Queue ``step``'s accepted counts and each request's next token and ``num_drafts`` (None: k) drafts."""
+        """Queue ``step``'s accepted counts and each request's next token and ``num_drafts`` drafts (k, or 0 while
+        drafting is off); ``seqs``: the engine's requests, by id."""
         ...

@@ -138,9 +138,8 @@ class ModelDrafter:
         return self.deferred.limit > 0
 
     @torch.inference_mode()
-    def draft_on_device(self, step: LaunchedStep, num_drafts: int | None = None,
-                        seqs: dict[str, object] | None = None) -> DeviceDrafts:
-        """Queue a greedy step's acceptance, catch-up and ``num_drafts`` (k or 0; None: k) drafts per request on the
+    def draft_on_device(self, step: LaunchedStep, num_drafts: int, seqs: dict[str, object]) -> DeviceDrafts:
+        """Queue a greedy step's acceptance, catch-up and ``num_drafts`` (k or 0) drafts per request on the
         device, nothing read back (``seqs``: unused; ngram_on_device.py reads them).
 
         ``step.rows`` / ``positions``: the target step's, as the host built them (``shift``: how far the device
@@ -154,7 +153,6 @@ class ModelDrafter:
         self.forget(step.sched.finished_req_ids)
         rows, positions, hidden, argmax, inputs, shift = (step.rows, step.positions, step.output.hidden_states,
                                                           step.argmax, step.inputs, step.shift)
-        num_drafts = self.k if num_drafts is None else num_drafts
         num_tokens, num_reqs, ctx = len(positions), len(rows), inputs.ctx
         if num_drafts == self.k and self.chain is not None and \
                 self.chain.can_run(num_reqs, [row.query_len for row in rows], ctx.block_tables.shape[1]):

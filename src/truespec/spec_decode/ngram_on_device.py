@@ -57,8 +57,8 @@ class NgramOnDevice:
 
     def draft_on_device(self, step: LaunchedStep, num_drafts: int, seqs: dict[str, Sequence]) -> DeviceDrafts:
         """Queue ``step``'s acceptance, its tokens' writes and ``num_drafts`` (k or 0) drafts per request on the
-        device, nothing read back. Every request of ``step`` is a greedy decode or verify (AsyncScheduler)."""
-        self.forget(step.sched.finished_req_ids)
+        device, nothing read back. Every request of ``step`` is a greedy decode or verify (AsyncScheduler); the
+        step's finished requests were forgotten first (``NgramProposer.draft_on_device``)."""
         scheduled, device = step.sched.scheduled, step.argmax.device
         num_tokens, num_reqs = len(step.positions), len(scheduled)
         # ids up to the last query row's position + 1 are written; a queued step's rows moved <= k further on
