@@ -31,7 +31,7 @@ from truespec.spec_decode.device_drafts import DeviceDrafts, greedy_accepted
 from truespec.spec_decode.draft_chain import DraftChain
 from truespec.spec_decode.interface import DraftRequest, Drafts
 from truespec.worker.graph_runner import GraphRunner, GraphSettings
-from truespec.worker.input_builder import ContextRow
+from truespec.worker.input_builder import ContextRow, to_device_async
 from truespec.worker.model_runner import LaunchedStep
 from truespec.worker.runner_output import ModelRunnerOutput
 
@@ -112,14 +112,24 @@ class ModelDrafter:
         deferred.prune()
         if not jobs:
             return {}
-        active = jobs
+        # the drafts stay on the device until all are made: one host read per step, not one per draft position
+        active, tokens, drafted = jobs, None, []
         for j in range(self.k):
-            active = [job for job in active if len(job.token_ids) < min(self.k, job.num_wanted)]
-            if not active:
+            kept = [i for i, job in enumerate(active) if j < min(self.k, job.num_wanted)]
+            if not kept:
                 break
+            if len(kept) < len(active):  # requests that want no more drafts leave the step
+                active = [active[i] for i in kept]
+                tokens = None if tokens is None else tokens[to_device_async(kept, tokens.device)]
             if j > 0:  # one more single-token step over the drafts so far
-                self._draft_step(active, j)
-            self._sample(active)
+                self._draft_step(active, j, tokens)
+            tokens = self._sample(active)
+            drafted.append((active, tokens))
+        if drafted:
+            values = iter(torch.cat([t for _, t in drafted]).tolist())
+            for active, _ in drafted:
+                for job in active:
+                    job.token_ids.append(next(values))
         return {job.request.request_id: Drafts(job.token_ids, _stack(job.probs))
                 for job in jobs if job.request.is_drafting}
 
@@ -209,35 +219,41 @@ class ModelDrafter:
             job.hidden = hidden[last - 1]
 
     # ---- drafting ------------------------------------------------------------------------------------
-    def _draft_step(self, jobs: list[_Job], j: int) -> None:
-        """Feed draft j (the latest) of every request at the position after the previous one."""
-        rows, input_ids, positions = [], [], []
+    def _draft_step(self, jobs: list[_Job], j: int, tokens: torch.Tensor) -> None:
+        """Feed draft j (``tokens`` [J], on the device: the latest) of every request at the position after the
+        previous one."""
+        rows, positions = [], []
         for job in jobs:
             pos = job.request.num_computed_tokens + self.offset - 1 + j
             slot = job.request.first_state_slot + self.offset + j  # the state after draft j
             rows.append(ContextRow(job.request.block_ids, pos, 1, slot - 1, slot, 0, 0))
-            input_ids.append(job.token_ids[-1])
             positions.append(pos)
         hidden_in = torch.stack([job.hidden for job in jobs]) if self.uses_target_hidden else None
-        out, _ = self.graphs.run(rows, input_ids, positions, hidden_in, decode_only=True)
+        out, _ = self.graphs.run(rows, [0] * len(jobs), positions, hidden_in, decode_only=True, input_ids_from=tokens)
         for i, job in enumerate(jobs):
             job.hidden = out[i]
 
-    def _sample(self, jobs: list[_Job]) -> None:
-        """Append one draft per job: the argmax for greedy requests (one over the batch, one host copy), else a
-        sample with the request's drafter stream."""
+    def _sample(self, jobs: list[_Job]) -> torch.Tensor:
+        """One draft per job, [J] on the device (nothing read back): the argmax for greedy requests, else a sample
+        with the request's drafter stream (its distribution appended to ``job.probs``)."""
         logits = self.head.compute_logits(torch.stack([job.hidden for job in jobs]))
         logits = logits if logits.dtype == torch.float64 else logits.float()
         greedy = [job.request.params.is_greedy for job in jobs]
-        argmax = logits.argmax(dim=-1).tolist() if any(greedy) else []
+        argmax = logits.argmax(dim=-1) if any(greedy) else None
+        if all(greedy):
+            for job in jobs:
+                job.probs.append(None)
+            return argmax
+        picks = []
         for i, (job, row) in enumerate(zip(jobs, logits, strict=True)):
             if greedy[i]:
-                job.token_ids.append(argmax[i])
+                picks.append(argmax[i:i + 1])
                 job.probs.append(None)
                 continue
             q = probabilities(row, job.request.params)
-            job.token_ids.append(int(torch.multinomial(q, 1, generator=self._generator(job.request))))
+            picks.append(torch.multinomial(q, 1, generator=self._generator(job.request)))
             job.probs.append(q)
+        return torch.cat(picks)
 
     def _generator(self, r: DraftRequest) -> torch.Generator:
         gen = self._generators.get(r.request_id)
