@@ -94,11 +94,11 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> t
     return torch.from_numpy(np.zeros(num_bytes, dtype=np.uint8)).view(dtype).view(shape)
 
 
-def copy_state_slots(model: torch.nn.Module, src: torch.Tensor, dst: torch.Tensor) -> None:
-    """Copy the conv and SSM state of every GDN layer from flat slots ``src`` to ``dst`` ([n] int64 on the device,
+def copy_state_slots(gdn_layers: list[torch.nn.Module], src: torch.Tensor, dst: torch.Tensor) -> None:
+    """Copy the conv and SSM state of the GDN layers from flat slots ``src`` to ``dst`` ([n] int64 on the device,
     ``dst`` without repeats): prefix caching's checkpoint saves and restores (core/prefix_planner.py). Queued in
     stream order, outside any captured graph (the tensors never move)."""
-    for layer in model.gdn_layers():
+    for layer in gdn_layers:
         for state in (layer.conv_state, layer.ssm_state):
             state.index_copy_(0, dst, state.index_select(0, src))
 

@@ -52,6 +52,7 @@ class ModelRunner:
     def __init__(self, model: torch.nn.Module, device: torch.device, dtype: torch.dtype, seed: int,
                  eos_token_ids: set[int], kv_cache_dtype: str = "auto") -> None:
         self.model = model
+        self.gdn_layers = model.gdn_layers()  # a walk over every module: once, not per state copy
         self.kv_cache_dtype = kv_cache_dtype
         self.device = device
         self.dtype = dtype
@@ -131,9 +132,9 @@ class ModelRunner:
         slot ids reach the device without waiting for it (async scheduling keeps overlapping)."""
         for copies in (saves, restores):
             last = {dst: src for src, dst in copies}
-            if last and self.model.gdn_layers():
+            if last and self.gdn_layers:
                 ids = to_device_async([*last.values(), *last], self.device)
-                copy_state_slots(self.model, ids[:len(last)], ids[len(last):])
+                copy_state_slots(self.gdn_layers, ids[:len(last)], ids[len(last):])
 
     def _grammar_bitmask(self, host: torch.Tensor) -> torch.Tensor:
         """The step's grammar mask on the device: the host's, copied once (not waited for)."""
