@@ -4,13 +4,18 @@ others finish), every ``LLMEngine.step`` timed and sorted by what it launched: a
 request joining), or only decodes / verifies.
 
     python3 benchmarks/step_kinds.py --config "mtp k=3" --batch-size 64 [--max-tokens 128] [--json out.json]
+        [--cprofile N]
 
 Prints per kind the steps and their total and median wall time; the totals of several
-configurations (one process each) show which kind of step a method loses its time in.
+configurations (one process each) show which kind of step a method loses its time in. ``--cprofile N`` runs the
+timed pass under cProfile and prints its N functions of most cumulative host time (the wall times then include the
+profiler's overhead).
 """
 
 import argparse
+import cProfile
 import json
+import pstats
 import statistics
 import time
 from pathlib import Path
@@ -27,6 +32,7 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--cprofile", type=int, default=0, metavar="N")
     args = parser.parse_args()
     rows = [json.loads(line) for line in PROMPTS.read_text().splitlines()]
     prompts = [r["prompt"] for r in rows if r["kind"] == "edit"][:max(2 * args.batch_size, 24)]
@@ -52,10 +58,15 @@ def main() -> None:
         steps.append((launched_prompt[0], 1e3 * (time.perf_counter() - start)))
         return out
     engine.runner.launch, engine.step = logged_launch, timed_step
+    profiler = cProfile.Profile() if args.cprofile else None
     torch.cuda.synchronize()
     start = time.perf_counter()
+    if profiler is not None:
+        profiler.enable()
     outs = llm.generate(prompts, params, use_tqdm=False)
     torch.cuda.synchronize()
+    if profiler is not None:
+        profiler.disable()
     wall = time.perf_counter() - start
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     report = {"config": args.config, "batch_size": args.batch_size, "device": torch.cuda.get_device_name(),
@@ -66,6 +77,8 @@ def main() -> None:
         if ms:
             report["kinds"][name] = k = {"steps": len(ms), "total_ms": sum(ms), "median_ms": statistics.median(ms)}
             print(f"  {name}: {k['steps']} steps, {k['total_ms']:.1f} ms, median {k['median_ms']:.3f} ms")
+    if profiler is not None:
+        pstats.Stats(profiler).sort_stats("cumulative").print_stats(args.cprofile)
     if args.json is not None:
         args.json.write_text(json.dumps(report, indent=1))
 
