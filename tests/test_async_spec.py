@@ -12,7 +12,7 @@ import torch
 
 from helpers.engine import random_prompts
 from truespec import LLM, SamplingParams
-from truespec.assets import DEFAULT_EAGLE_DIR, DEFAULT_MODEL_DIR
+from truespec.assets import DEFAULT_DRAFT_MODEL_DIR, DEFAULT_EAGLE_DIR, DEFAULT_MODEL_DIR
 from truespec.layers.rejection_sampler import greedy_verify
 from truespec.spec_decode.device_drafts import greedy_accepted
 from truespec.spec_decode.interface import DraftRequest
@@ -23,7 +23,9 @@ PROMPTS = Path(__file__).resolve().parents[1] / "benchmarks" / "prompts" / "held
 SPEC = {"mtp": {"method": "mtp", "num_speculative_tokens": 3},
         "eagle": {"method": "eagle", "num_speculative_tokens": 3, "model": str(DEFAULT_EAGLE_DIR)},
         "ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
-                  "draft_on_device": True}}
+                  "draft_on_device": True},
+        "draft_model": {"method": "draft_model", "num_speculative_tokens": 3, "model": str(DEFAULT_DRAFT_MODEL_DIR),
+                        "draft_on_device": True}}
 
 
 def test_device_acceptance_equals_the_host_verify() -> None:
@@ -126,7 +128,8 @@ def assert_all_free(llm: LLM) -> None:
         assert not proposer.on_device.rows and not proposer.indexes
 
 
-@pytest.mark.parametrize("method, max_num_seqs", [("mtp", 1), ("mtp", 6), ("eagle", 4), ("ngram", 1), ("ngram", 6)])
+@pytest.mark.parametrize("method, max_num_seqs", [("mtp", 1), ("mtp", 6), ("eagle", 4), ("ngram", 1), ("ngram", 6),
+                                                 ("draft_model", 1), ("draft_model", 6)])
 def test_queued_verifies_give_the_tokens_without_speculation(embedded: tuple, method: str,
                                                              max_num_seqs: int) -> None:
     prompts, reference = embedded
@@ -142,7 +145,7 @@ def test_queued_verifies_give_the_tokens_without_speculation(embedded: tuple, me
     assert_all_free(llm)
 
 
-@pytest.mark.parametrize("method", ["mtp", "ngram"])
+@pytest.mark.parametrize("method", ["mtp", "ngram", "draft_model"])
 def test_abort_and_failure_while_a_verify_is_queued(embedded: tuple, monkeypatch: pytest.MonkeyPatch,
                                                     method: str) -> None:
     """An abort, then a failing step, while a verify is queued: the others' tokens are unchanged, nothing leaks."""
@@ -263,3 +266,48 @@ def test_ngram_drafts_on_device_are_the_host_proposers(embedded: tuple) -> None:
     assert sum(shifted for _, shifted in checked) > 20  # many of them behind a verify queued ahead
     engine.step()  # idle: the finishes of the last step are reported to the proposer
     assert not on_device.rows and len(on_device.free) == on_device.history.shape[0]  # every row back
+
+
+def test_draft_model_drafts_on_device_are_its_greedy_continuation(embedded: tuple) -> None:
+    """Behind every queued draft-model step (``draft_on_device``), each request's next token is the true one and its
+    k drafts are what the draft model itself generates greedily from the request's history through that token (its
+    catch-up fed the right tokens at the right positions, moved ones included)."""
+    prompts, reference = embedded
+    greedy = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    llm = spec_engine("draft_model", True, max_num_seqs=4, max_num_batched_tokens=256)
+    engine = llm.llm_engine
+    drafter, truth, checked = engine.proposer, {}, []
+    real = drafter.draft_on_device
+
+    def checked_draft(step: object, num_drafts: int, seqs: dict) -> object:
+        drafts = real(step, num_drafts, seqs)
+        qsl = step.inputs.ctx.query_start_loc[:len(step.rows) + 1]
+        lengths = (step.inputs.positions[qsl[:-1]] + drafts.num_accepted + 2).tolist()  # through the new token
+        for r, length, ids in zip(step.sched.scheduled, lengths, drafts.next_ids.tolist(), strict=True):
+            tokens = truth[r.request_id][:length]
+            assert ids[0] == tokens[-1]  # the next token
+            if num_drafts == drafter.k and length + drafter.k <= len(truth[r.request_id]):
+                checked.append((tokens, ids[1:], step.shift is not None))
+        return drafts
+
+    drafter.draft_on_device = checked_draft
+    for prompt, ref in zip(prompts, reference, strict=True):
+        request_id = engine.add_request(prompt, greedy)
+        truth[request_id] = engine.seqs[request_id].prompt_token_ids + ref
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert len(checked) > 30 and sum(shifted for _, _, shifted in checked) > 10  # many queued behind a verify
+    alone = LLM(str(DEFAULT_DRAFT_MODEL_DIR), dtype="float64", device="cpu", max_model_len=2048)
+    continued = alone.generate([{"prompt_token_ids": tokens} for tokens, _, _ in checked],
+                               SamplingParams(temperature=0, max_tokens=drafter.k, ignore_eos=True), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in continued] == [drafts for _, drafts, _ in checked]
+    assert_all_free(llm)
+
+
+def test_draft_on_device_refuses_a_draft_model_with_recurrent_state(tiny_models: dict[str, Path]) -> None:
+    """Drafting on the device keeps no recurrent state per draft position: a hybrid draft model is refused, naming the
+    key (without the key it drafts on the host, as before)."""
+    hybrid = str(tiny_models["hybrid"])
+    spec = {"method": "draft_model", "num_speculative_tokens": 2, "model": hybrid, "draft_on_device": True}
+    with pytest.raises(ValueError, match="speculative_config.draft_on_device: the draft model has recurrent state"):
+        LLM(hybrid, dtype="float64", device="cpu", max_model_len=256, speculative_config=spec)

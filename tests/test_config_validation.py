@@ -77,6 +77,7 @@ def test_speculative_key_the_method_ignores_is_rejected(method: str, key: str, v
     {"method": "mtp", "num_speculative_tokens": 2, "enforce_eager": True},
     {"method": "eagle", "num_speculative_tokens": 2, "model": "d", "enforce_eager": False},
     {"method": "draft_model", "num_speculative_tokens": 2, "model": "d"},
+    {"method": "draft_model", "num_speculative_tokens": 2, "model": "d", "draft_on_device": True},
 ])
 def test_speculative_keys_each_method_takes_are_accepted(config: dict) -> None:
     assert SpeculativeConfig.from_dict(config).method == config["method"]

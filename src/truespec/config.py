@@ -139,7 +139,7 @@ SPEC_METHODS = ("ngram", "draft_model", "mtp", "eagle")
 # The optional keys each method reads; one that its method would ignore is an error, never silently dropped
 # (mtp reads its layer from the target's checkpoint, ngram has no network to run eagerly).
 METHOD_KEYS = {"ngram": ("prompt_lookup_min", "prompt_lookup_max", "draft_on_device"),
-               "draft_model": ("model", "enforce_eager"),
+               "draft_model": ("model", "enforce_eager", "draft_on_device"),
                "eagle": ("model", "enforce_eager"), "mtp": ("enforce_eager",)}
 MAX_SPECULATIVE_TOKENS = 64
 DRAFT_LENGTHS = ("adaptive", "fixed")
@@ -164,9 +164,10 @@ class SpeculativeConfig:
     prompt_lookup_min: int | None = None  # ngram: shortest suffix n-gram to look up
     prompt_lookup_max: int | None = None  # ngram: longest
     enforce_eager: bool | None = None  # True: the drafter runs without CUDA graphs (None: the target's mode)
-    # ngram (truespec's key): True, drafts made on the device behind each greedy step, so that verifies queue ahead
-    # with async scheduling (spec_decode/ngram_on_device.py); None / False: on the host after each step's read,
-    # faster on the embedded model (BENCHMARKS.md, session 17)
+    # ngram and draft_model (truespec's key): True, drafts made on the device behind each greedy step, so that
+    # verifies queue ahead with async scheduling (spec_decode/ngram_on_device.py, ModelDrafter.draft_on_device);
+    # None / False: on the host after each step's read (ngram: faster on the embedded model, BENCHMARKS.md session
+    # 17; draft_model: not yet measured on a GPU). MTP and EAGLE always draft on the device.
     draft_on_device: bool | None = None
     # vLLM's key: no drafts in a step after which this many requests or more are running (None: always draft)
     disable_by_batch_size: int | None = None

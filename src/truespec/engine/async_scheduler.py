@@ -44,13 +44,14 @@ def queued_steps(async_scheduling: bool | None, device_type: str, proposer: obje
     """(decodes queued ahead, verifies queued ahead) for an engine's ``async_scheduling`` (None: on for CUDA, off on
     CPU) and proposer. Decodes: with any proposer, for the steps that draft nothing (ngram indexes the tokens it
     skipped when it drafts again; a model drafter defers its catch-up, spec_decode/model_drafter.py). Verifies:
-    with a proposer that drafts on the device (MTP / EAGLE; a draft model keeps its steps on the host, see
-    ``ModelDrafter.can_draft_on_device``; ngram with ``draft_on_device``): for MTP faster than planning them on the
-    host at every batch size measured (BENCHMARKS.md, session 15)."""
+    with a proposer that drafts on the device (MTP / EAGLE; a draft model and ngram with ``draft_on_device``, see
+    ``ModelDrafter.can_draft_on_device``): for MTP faster than planning them on the host at every batch size
+    measured (BENCHMARKS.md, session 15)."""
     is_async = async_scheduling if async_scheduling is not None else device_type == "cuda"
-    if not is_async and isinstance(proposer, NgramProposer) and proposer.can_draft_on_device:
+    asked = isinstance(proposer, NgramProposer) or not getattr(proposer, "uses_target_hidden", True)  # by the key
+    if not is_async and asked and getattr(proposer, "can_draft_on_device", False):
         logger.warning("speculative_config.draft_on_device has no effect without async scheduling (async_scheduling="
-                       "%s on %s): ngram drafts on the host", async_scheduling, device_type)
+                       "%s on %s): drafts are made on the host", async_scheduling, device_type)
     return is_async, is_async and getattr(proposer, "can_draft_on_device", False)
 
 
@@ -140,8 +141,8 @@ class AsyncScheduler:
         without logprobs, and its blocks cover the drafts' positions (a step planned ahead allocated them)."""
         if self.drafter is None or self.drafter.is_behind([r.request_id for r in sched.scheduled]):
             return False  # a request whose catch-up was deferred catches up on the host (``ModelDrafter.propose``)
-        # the last position past the query the drafter writes KV at (a model drafter's last draft; ngram none)
-        reach = max(self.drafter.num_lookahead_tokens - 1, 0) if not is_ahead else 0
+        # positions past the query the drafter writes KV at (a model drafter's drafts; ngram none)
+        reach = self.drafter.device_reach if not is_ahead else 0
         block_size = self.scheduler.kv.block_size
         return all(r.is_last_chunk and r.num_new_tokens == 1 and r.params.is_greedy and r.params.logprobs is None
                    and r.num_computed_tokens + r.num_scheduled_tokens + reach <= len(r.block_ids) * block_size

@@ -59,7 +59,7 @@ class ModelDrafter:
 
     def __init__(self, head: torch.nn.Module, k: int, num_blocks: int, num_state_slots: int, device: torch.device,
                  seed: int, graphs: GraphSettings, hidden_size: int | None = None,
-                 kv_cache_dtype: str = "auto") -> None:
+                 kv_cache_dtype: str = "auto", draft_on_device: bool = False) -> None:
         self.head, self.k, self.device, self.seed = head, k, device, seed
         self.uses_target_hidden = bool(getattr(head, "uses_target_hidden", False))
         self.offset = 0 if self.uses_target_hidden else 1
@@ -71,10 +71,17 @@ class ModelDrafter:
                                   num_staging=2 * (k + 1) + 2)
         self.graphs.capture()  # the drafter replays graphs whenever the target does
         # a head without recurrent state drafts greedy steps on the device, queued behind the target's forward; with
-        # graphs, a uniform step's whole drafting is one replay (draft_chain.py)
-        self.can_draft_on_device = self.uses_target_hidden and state_bytes_per_slot(head) == 0
+        # graphs, a uniform step's whole drafting is one replay (draft_chain.py). A draft model does so when asked
+        # (speculative_config.draft_on_device), one launch per forward
+        if draft_on_device and state_bytes_per_slot(head) > 0:
+            raise ValueError("speculative_config.draft_on_device: the draft model has recurrent state (GDN layers), "
+                             "which drafting on the device does not keep; leave the key out")
+        self.can_draft_on_device = (self.uses_target_hidden or draft_on_device) and state_bytes_per_slot(head) == 0
+        # KV positions past a step's query that drafting behind it on the device writes: the k - 1 draft steps after
+        # the last accepted position (a head), or one more for a draft model (its catch-up feeds the new token too)
+        self.device_reach = k - 1 + self.offset
         self.chain = None
-        if self.can_draft_on_device and self.graphs.enabled:
+        if self.can_draft_on_device and self.uses_target_hidden and self.graphs.enabled:
             self.chain = DraftChain(head, k, self.graphs.sizes, graphs.max_blocks_per_req, graphs.block_size,
                                     hidden_size, device)
             with torch.cuda.device(device):
@@ -161,6 +168,8 @@ class ModelDrafter:
         captured. 0 drafts (the next steps draft nothing): only the acceptance and the catch-up, which keeps the
         drafter's cache whole for when drafting resumes."""
         self.forget(step.sched.finished_req_ids)
+        if not self.uses_target_hidden:
+            return self._draft_model_on_device(step, num_drafts)
         rows, positions, hidden, argmax, inputs, shift = (step.rows, step.positions, step.output.hidden_states,
                                                           step.argmax, step.inputs, step.shift)
         num_tokens, num_reqs, ctx = len(positions), len(rows), inputs.ctx
@@ -181,6 +190,41 @@ class ModelDrafter:
             if j > 0:  # draft j at the position after the last accepted one + j (host: before the move)
                 step_rows = [ContextRow(row.block_ids, row.start + j, 1, -1, -1, 0, 0) for row in rows]
                 hidden, _ = self.graphs.run(step_rows, [0] * len(rows), [row.start + j for row in rows], hidden,
+                                            decode_only=True, input_ids_from=drafts[-1], shift=moved)
+            logits = self.head.compute_logits(hidden)
+            drafts.append((logits if logits.dtype == torch.float64 else logits.float()).argmax(dim=-1))
+        return DeviceDrafts(num_accepted, torch.stack([next_token, *drafts], dim=1))
+
+    def _draft_model_on_device(self, step: LaunchedStep, num_drafts: int) -> DeviceDrafts:
+        """``draft_on_device`` for a draft model (it reads tokens, not the target's hidden states). Its catch-up covers
+        each request's query rows and the position after them, fed the step's first input token and then each row's
+        argmax (the draft where it was accepted, then the next token; later rows write KV that the drafts or the next
+        catch-up overwrite before anything reads it): up to the new token, the tokens ``propose`` feeds. The first
+        draft comes from the new token's row, draft j (j >= 1) is fed at the position after it + j."""
+        rows, argmax, inputs, shift = step.rows, step.argmax, step.inputs, step.shift
+        num_tokens, num_reqs, ctx = len(step.positions), len(rows), inputs.ctx
+        query_start_loc = ctx.query_start_loc[:num_reqs + 1]
+        num_accepted, next_token = greedy_accepted(argmax[:num_tokens], inputs.input_ids[:num_tokens],
+                                                   query_start_loc, max(row.query_len for row in rows) - 1)
+        index, starts, first = [], [], 0  # into [input ids | argmax]; each request's first catch-up row
+        for row in rows:
+            starts.append(first + len(starts))
+            index += [first, *range(num_tokens + first, num_tokens + first + row.query_len)]
+            first += row.query_len
+        device = argmax.device
+        ids = torch.cat([inputs.input_ids[:num_tokens], argmax[:num_tokens]]).index_select(
+            0, to_device_async(index, device))
+        catch_up = [ContextRow(row.block_ids, row.start, row.query_len + 1, -1, -1, 0, 0) for row in rows]
+        positions = [p for row in rows for p in range(row.start, row.start + row.query_len + 1)]
+        out, _ = self.graphs.run(catch_up, [0] * len(index), positions, decode_only=True, input_ids_from=ids,
+                                 shift=shift)
+        hidden = out[to_device_async(starts, device) + num_accepted + 1]  # [R, H]: at the new token
+        moved = num_accepted if shift is None else shift + num_accepted
+        drafts: list[torch.Tensor] = []
+        for j in range(num_drafts):
+            if j > 0:  # draft j at the position after the new token + j (host: before the move)
+                step_rows = [ContextRow(row.block_ids, row.start + 1 + j, 1, -1, -1, 0, 0) for row in rows]
+                hidden, _ = self.graphs.run(step_rows, [0] * num_reqs, [row.start + 1 + j for row in rows],
                                             decode_only=True, input_ids_from=drafts[-1], shift=moved)
             logits = self.head.compute_logits(hidden)
             drafts.append((logits if logits.dtype == torch.float64 else logits.float()).argmax(dim=-1))
