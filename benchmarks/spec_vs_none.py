@@ -5,7 +5,7 @@ in the same process on the same card.
     python3 benchmarks/spec_vs_none.py [--batch-sizes 1 4 16 64] [--kind edit] [--max-tokens 128]
         [--methods none "ngram k=8" "mtp k=3" "mtp k=3 host-planned" "mtp k=3 no drafts" ...] [--json FILE]
         [--no-batch-invariant]
-        [--governors default auto off] [--interleave R]
+        [--governors default auto off] [--interleave R] [--varied-lengths]
 
 At batch size b the engine runs ``max(2 b, --min-prompts)`` prompts with ``max_num_seqs = b`` (so b requests
 decode together, new ones joining as others finish); greedy, ignore_eos. One engine per method (and per
@@ -17,6 +17,11 @@ process 20,999), and alternating cancels slow drift; ``x_none_paired`` (printed 
 rounds of each run over the same round's "none" run. With a governor ("auto" methods), each JSON row also has
 ``governor_steps``: per mode, the steps the governor counted and those it did not (prefill chunks, mode switches),
 with their request-seconds and tokens per request-second, to check its estimates against where the time went.
+``--varied-lengths``: request i generates ``varied_max_tokens(i, --max-tokens)`` tokens (from half to 1.5x
+``--max-tokens``, the same for every method) instead of all ``--max-tokens``: without speculation a batch then no
+longer finishes in one step (with it, requests finish one by one anyway, as their acceptance differs), so both sides
+pay for requests joining (BENCHMARKS.md, session 18: with equal lengths MTP at BS 64 spent 59% of its time in the
+steps where a request joins, "none" admitted its prompts in 4 steps).
 Prints a markdown table last.
 """
 
@@ -122,11 +127,18 @@ class GCTimer:
 gc_timer = GCTimer()
 
 
+def varied_max_tokens(i: int, max_tokens: int) -> int:
+    """Request i's output length with ``--varied-lengths``: spread over [max_tokens / 2, 3 max_tokens / 2] by a fixed
+    stride (37 of 101 steps), so that neighbours in the prompt list differ and the mean stays ~``max_tokens``."""
+    return max_tokens // 2 + (i * 37 % 101) * max_tokens // 100
+
+
 def measure(llm: LLM, prompts: list[str], batch_size: int, max_tokens: int,
-            warm_up: bool = True) -> dict[str, float | None]:
+            warm_up: bool = True, varied: bool = False) -> dict[str, float | None]:
     engine = llm.llm_engine
     engine.scheduler.max_num_seqs = batch_size  # a benchmark-only knob: the concurrency of this run
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    lengths = [varied_max_tokens(i, max_tokens) if varied else max_tokens for i in range(len(prompts))]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths]
     # warm-up: every prompt once, so that no kernel specialisation for a new length compiles inside the timed run
     # (a warm-up of one prompt left the first engine's BS 1 run at 1,029 vs 2,151 tok/s in two calls: session 12)
     if warm_up:
@@ -177,6 +189,8 @@ def main() -> None:
     parser.add_argument("--interleave", type=int, default=0, metavar="R",
                         help="build every engine first, then measure them in turn R times per batch size and report "
                              "each one's median run (the host's speed drifts between runs: session 16)")
+    parser.add_argument("--varied-lengths", action="store_true",
+                        help="output lengths from half to 1.5x --max-tokens per request (requests finish one by one)")
     parser.add_argument("--gc-freeze", action="store_true",
                         help="gc.freeze() once the engines are built: the collector no longer walks their objects")
     args = parser.parse_args()
@@ -205,7 +219,8 @@ def main() -> None:
             samples: dict[str, list[dict]] = {name: [] for name in engines}
             for rep in range(args.interleave):
                 for name, llm in engines.items():
-                    samples[name].append(measure(llm, prompts, b, args.max_tokens, warm_up=rep == 0))
+                    samples[name].append(measure(llm, prompts, b, args.max_tokens, warm_up=rep == 0,
+                                                 varied=args.varied_lengths))
             for name, runs_of in samples.items():
                 ranked = sorted(runs_of, key=lambda r: r["tok_s"])
                 results.setdefault(name, {})[b] = r = ranked[len(ranked) // 2] | {
@@ -218,13 +233,15 @@ def main() -> None:
         name, llm = make(method, governor)
         results[name] = {}
         for b in args.batch_sizes:
-            results[name][b] = r = measure(llm, pool[:max(2 * b, args.min_prompts)], b, args.max_tokens)
+            results[name][b] = r = measure(llm, pool[:max(2 * b, args.min_prompts)], b, args.max_tokens,
+                                           varied=args.varied_lengths)
             print(f"{name} BS={b}: {r}", flush=True)
         del llm
         gc.collect()
         torch.cuda.empty_cache()
     print(f"\n{torch.cuda.get_device_name()}, embedded model, {args.dtype}, CUDA graphs, {args.kind} prompts, "
-          f"{args.max_tokens} tokens, batch_invariant={args.batch_invariant}; tok/s (x none) [accept len] "
+          f"{args.max_tokens} tokens{' (varied lengths)' if args.varied_lengths else ''}, "
+          f"batch_invariant={args.batch_invariant}; tok/s (x none) [accept len] "
           "TTFT / TPOT ms")
     print("| method | " + " | ".join(f"BS={b}" for b in args.batch_sizes) + " |")
     print("|---|" + "---:|" * len(args.batch_sizes))

@@ -4,7 +4,7 @@ others finish), every ``LLMEngine.step`` timed and sorted by what it launched: a
 request joining), or only decodes / verifies.
 
     python3 benchmarks/step_kinds.py --config "mtp k=3" --batch-size 64 [--max-tokens 128] [--json out.json]
-        [--cprofile N]
+        [--cprofile N] [--varied-lengths]
 
 Prints per kind the steps and their total and median wall time; the totals of several
 configurations (one process each) show which kind of step a method loses its time in. ``--cprofile N`` runs the
@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 import torch
-from spec_vs_none import ENGINE_KWARGS, METHODS, PROMPTS
+from spec_vs_none import ENGINE_KWARGS, METHODS, PROMPTS, varied_max_tokens
 
 from truespec import LLM, SamplingParams
 
@@ -33,13 +33,16 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--cprofile", type=int, default=0, metavar="N")
+    parser.add_argument("--varied-lengths", action="store_true", help="as spec_vs_none.py's")
     args = parser.parse_args()
     rows = [json.loads(line) for line in PROMPTS.read_text().splitlines()]
     prompts = [r["prompt"] for r in rows if r["kind"] == "edit"][:max(2 * args.batch_size, 24)]
     llm = LLM(dtype="bfloat16", device="cuda", max_model_len=2048, max_num_seqs=args.batch_size,
               speculative_config=METHODS[args.config], **ENGINE_KWARGS.get(args.config, {}))
     engine = llm.llm_engine
-    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+    lengths = [varied_max_tokens(i, args.max_tokens) if args.varied_lengths else args.max_tokens
+               for i in range(len(prompts))]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths]
     llm.generate(prompts, params, use_tqdm=False)  # warm-up
     llm.reset_prefix_cache()
     launched_prompt = [False]

@@ -179,18 +179,20 @@ def test_abort_and_failure_while_a_verify_is_queued(embedded: tuple, monkeypatch
     assert_all_free(llm)
 
 
-@pytest.mark.parametrize("method", ["mtp", "ngram"])
+@pytest.mark.parametrize("method", ["mtp", "ngram", "draft_model"])
 def test_queued_verifies_under_kv_pressure_and_arrivals(tiny_models: dict[str, Path],
                                                         hybrid_with_heads: dict[str, Path], method: str) -> None:
-    """A random MTP head (few accepted drafts; or ngram) on the tiny hybrid, too few KV blocks (preemption; a verify
-    is not queued when its worst-case blocks do not fit), and requests arriving while verifies are queued."""
+    """A random MTP head (few accepted drafts; or ngram, or the random tiny dense draft model drafting on the device)
+    on the tiny hybrid, too few KV blocks (preemption; a verify is not queued when its worst-case blocks do not fit),
+    and requests arriving while verifies are queued."""
     target = str(hybrid_with_heads["target"])
     prompts = random_prompts([50, 8, 120, 30, 70, 12], seed=7)
     greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     base = LLM(target, dtype="float64", device="cpu", max_model_len=256)
     reference = [o.outputs[0].token_ids for o in base.generate(prompts, greedy, use_tqdm=False)]
+    spec = SPEC[method] | ({"model": str(tiny_models["qwen3"])} if method == "draft_model" else {})
     llm = LLM(target, dtype="float64", device="cpu", max_model_len=256, async_scheduling=True,
-              speculative_config=SPEC[method], num_gpu_blocks_override=24, max_num_batched_tokens=32)
+              speculative_config=spec, num_gpu_blocks_override=24, max_num_batched_tokens=32)
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)] == reference
     assert llm.llm_engine.scheduler.num_preemptions > 0 and llm.llm_engine.overlap.num_async_steps > 0
     assert_all_free(llm)

@@ -74,9 +74,12 @@ def test_disable_by_batch_size_drafts_only_in_small_batches(setup: dict, method:
         assert metrics["num_accepted_tokens"] == metrics["num_draft_tokens"]
 
 
-def test_seeded_random_sampling_with_a_draft_model_is_batch_invariant(setup: dict) -> None:
-    params = [SamplingParams(temperature=0.8, top_p=0.95, seed=40 + i, max_tokens=16, ignore_eos=True)
-              for i in range(len(setup["prompts"]))]
+@pytest.mark.parametrize("mixed", [False, True], ids=["random", "random and greedy"])
+def test_seeded_random_sampling_with_a_draft_model_is_batch_invariant(setup: dict, mixed: bool) -> None:
+    """Seeded random requests (and, mixed, greedy ones beside them: one step's drafts then come from an argmax and
+    from each request's own drafter stream, read back together) give their solo tokens in a batch."""
+    params = [SamplingParams(temperature=0 if mixed and i % 2 else 0.8, top_p=0.95, seed=40 + i, max_tokens=16,
+                             ignore_eos=True) for i in range(len(setup["prompts"]))]
     llm = LLM(str(setup["target"]), dtype="float64", device="cpu", max_model_len=400, max_num_batched_tokens=16,
               speculative_config=spec_config("draft_model", 3, setup["models"]))
     together = [o.outputs[0].token_ids for o in llm.generate(setup["prompts"], params, use_tqdm=False)]

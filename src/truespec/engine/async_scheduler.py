@@ -10,7 +10,8 @@ next rows is built on the host from this step's tokens, so those steps run one a
   turned drafting off, or disable_by_batch_size): ngram indexes the skipped tokens when it drafts again, and a model
   drafter defers its catch-up until then (``ModelDrafter.propose``), so such steps cost what steps without
   speculation cost.
-- **Verifies** (a proposer that drafts on the device: MTP, EAGLE, ngram): behind every greedy decode / verify step
+- **Verifies** (a proposer that drafts on the device: MTP, EAGLE; ngram and a draft model with ``draft_on_device``):
+  behind every greedy decode / verify step
   the proposer queues the step's accepted counts and each request's next token and k drafts on the device
   (``ModelDrafter.draft_on_device``, ``NgramProposer.draft_on_device``; while the next steps may not draft, nothing:
   the queued step after a verify then goes on as a plain decode). Step N+1

@@ -55,11 +55,14 @@ class _Job:
 
 class ModelDrafter:
     catches_up = True  # its caches follow every position a request computes
-    can_draft_on_device = True  # __init__ decides per head (True: one without recurrent state, reading the target's)
+    can_draft_on_device = True  # __init__ decides: a head without recurrent state; a draft model without, if asked
 
     def __init__(self, head: torch.nn.Module, k: int, num_blocks: int, num_state_slots: int, device: torch.device,
                  seed: int, graphs: GraphSettings, hidden_size: int | None = None,
                  kv_cache_dtype: str = "auto", draft_on_device: bool = False) -> None:
+        if draft_on_device and state_bytes_per_slot(head) > 0:  # before any cache or graph is made for it
+            raise ValueError("speculative_config.draft_on_device: the draft model has recurrent state (GDN layers), "
+                             "which drafting on the device does not keep; leave the key out")
         self.head, self.k, self.device, self.seed = head, k, device, seed
         self.uses_target_hidden = bool(getattr(head, "uses_target_hidden", False))
         self.offset = 0 if self.uses_target_hidden else 1
@@ -73,9 +76,6 @@ class ModelDrafter:
         # a head without recurrent state drafts greedy steps on the device, queued behind the target's forward; with
         # graphs, a uniform step's whole drafting is one replay (draft_chain.py). A draft model does so when asked
         # (speculative_config.draft_on_device), one launch per forward
-        if draft_on_device and state_bytes_per_slot(head) > 0:
-            raise ValueError("speculative_config.draft_on_device: the draft model has recurrent state (GDN layers), "
-                             "which drafting on the device does not keep; leave the key out")
         self.can_draft_on_device = (self.uses_target_hidden or draft_on_device) and state_bytes_per_slot(head) == 0
         # KV positions past a step's query that drafting behind it on the device writes: the k - 1 draft steps after
         # the last accepted position (a head), or one more for a draft model (its catch-up feeds the new token too)
