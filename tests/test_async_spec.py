@@ -293,6 +293,7 @@ def test_draft_model_drafts_on_device_are_its_greedy_continuation(embedded: tupl
         return drafts
 
     drafter.draft_on_device = checked_draft
+    assert drafter.device_reach == drafter.k  # its catch-up's extra row: one position further than a head's k - 1
     for prompt, ref in zip(prompts, reference, strict=True):
         request_id = engine.add_request(prompt, greedy)
         truth[request_id] = engine.seqs[request_id].prompt_token_ids + ref
@@ -313,3 +314,23 @@ def test_draft_on_device_refuses_a_draft_model_with_recurrent_state(tiny_models:
     spec = {"method": "draft_model", "num_speculative_tokens": 2, "model": hybrid, "draft_on_device": True}
     with pytest.raises(ValueError, match="speculative_config.draft_on_device: the draft model has recurrent state"):
         LLM(hybrid, dtype="float64", device="cpu", max_model_len=256, speculative_config=spec)
+
+
+def test_drafting_on_the_device_needs_blocks_for_its_reach() -> None:
+    """A step planned on the host is drafted behind on the device only if its blocks hold every position the drafter
+    writes past the query (``device_reach``); a step queued ahead reserved them when it was planned."""
+    from types import SimpleNamespace as NS
+
+    from truespec.engine.async_scheduler import AsyncScheduler
+
+    overlap = object.__new__(AsyncScheduler)
+    overlap.scheduler = NS(kv=NS(block_size=16))
+    greedy = NS(is_greedy=True, logprobs=None)
+    # 2 blocks (positions 0..31); the query is positions 25..28
+    step = NS(scheduled=[NS(request_id="a", is_last_chunk=True, num_new_tokens=1, params=greedy,
+                            num_computed_tokens=25, num_scheduled_tokens=4, block_ids=[7, 9])])
+    overlap.drafter = NS(is_behind=lambda ids: False, device_reach=3)  # a head at k = 4, or a draft model at k = 3
+    assert overlap._drafts_on_device(step, is_ahead=False)  # writes up to position 31
+    overlap.drafter.device_reach = 4  # a draft model at k = 4: position 32 is past its blocks
+    assert not overlap._drafts_on_device(step, is_ahead=False)
+    assert overlap._drafts_on_device(step, is_ahead=True)
