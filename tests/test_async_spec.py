@@ -209,7 +209,7 @@ def test_queued_verifies_under_kv_pressure_and_arrivals(tiny_models: dict[str, P
     assert_all_free(llm)
 
 
-@pytest.mark.parametrize("method", ["mtp", "eagle"])
+@pytest.mark.parametrize("method", ["mtp", "eagle", "draft_model"])
 def test_draft_chain_gives_the_drafts_of_the_launches(embedded: tuple, method: str) -> None:
     """The one-replay drafting of a uniform step (spec_decode/draft_chain.py), run op by op on CPU in float64:
     the tokens of the run without speculation, and it really drafted (captured, it is the same code)."""
@@ -221,7 +221,7 @@ def test_draft_chain_gives_the_drafts_of_the_launches(embedded: tuple, method: s
     drafter = llm.llm_engine.proposer
     width = -(-(2048 + 3 + 1) // 16)
     drafter.chain = DraftChain(drafter.head, 3, [1, 2, 4, 8], width, 16, llm.llm_engine.hf_config.hidden_size,
-                               torch.device("cpu"))
+                               torch.device("cpu"), reads_tokens=not drafter.uses_target_hidden)
     real_run, calls = drafter.chain.run, []
     drafter.chain.run = lambda *args: calls.append(len(args[4]) - 1) or real_run(*args)
     out = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
@@ -270,15 +270,24 @@ def test_ngram_drafts_on_device_are_the_host_proposers(embedded: tuple) -> None:
     assert not on_device.rows and len(on_device.free) == on_device.history.shape[0]  # every row back
 
 
-def test_draft_model_drafts_on_device_are_its_greedy_continuation(embedded: tuple) -> None:
+@pytest.mark.parametrize("chain", [False, True], ids=["launches", "chain"])
+def test_draft_model_drafts_on_device_are_its_greedy_continuation(embedded: tuple, chain: bool) -> None:
     """Behind every queued draft-model step (``draft_on_device``), each request's next token is the true one and its
     k drafts are what the draft model itself generates greedily from the request's history through that token (its
-    catch-up fed the right tokens at the right positions, moved ones included)."""
+    catch-up fed the right tokens at the right positions, moved ones included): drafted by one launch per forward,
+    or by the one-replay chain (spec_decode/draft_chain.py) run op by op."""
+    from truespec.spec_decode.draft_chain import DraftChain
+
     prompts, reference = embedded
     greedy = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     llm = spec_engine("draft_model", True, max_num_seqs=4, max_num_batched_tokens=256)
     engine = llm.llm_engine
     drafter, truth, checked = engine.proposer, {}, []
+    if chain:
+        drafter.chain = DraftChain(drafter.head, 3, [1, 2, 4, 8], -(-(2048 + 3 + 1) // 16), 16, None,
+                                   torch.device("cpu"), reads_tokens=True)
+        real_run, runs = drafter.chain.run, []
+        drafter.chain.run = lambda *args: runs.append(1) or real_run(*args)
     real = drafter.draft_on_device
 
     def checked_draft(step: object, num_drafts: int, seqs: dict) -> object:
@@ -300,6 +309,7 @@ def test_draft_model_drafts_on_device_are_its_greedy_continuation(embedded: tupl
     while engine.has_unfinished_requests():
         engine.step()
     assert len(checked) > 30 and sum(shifted for _, _, shifted in checked) > 10  # many queued behind a verify
+    assert not chain or len(runs) > 10
     alone = LLM(str(DEFAULT_DRAFT_MODEL_DIR), dtype="float64", device="cpu", max_model_len=2048)
     continued = alone.generate([{"prompt_token_ids": tokens} for tokens, _, _ in checked],
                                SamplingParams(temperature=0, max_tokens=drafter.k, ignore_eos=True), use_tqdm=False)

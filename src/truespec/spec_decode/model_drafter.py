@@ -75,15 +75,15 @@ class ModelDrafter:
         self.graphs.capture()  # the drafter replays graphs whenever the target does
         # a head without recurrent state drafts greedy steps on the device, queued behind the target's forward; with
         # graphs, a uniform step's whole drafting is one replay (draft_chain.py). A draft model does so when asked
-        # (speculative_config.draft_on_device), one launch per forward
+        # (speculative_config.draft_on_device), the same way
         self.can_draft_on_device = (self.uses_target_hidden or draft_on_device) and state_bytes_per_slot(head) == 0
         # KV positions past a step's query that drafting behind it on the device writes: the k - 1 draft steps after
         # the last accepted position (a head), or one more for a draft model (its catch-up feeds the new token too)
         self.device_reach = k - 1 + self.offset
         self.chain = None
-        if self.can_draft_on_device and self.uses_target_hidden and self.graphs.enabled:
+        if self.can_draft_on_device and self.graphs.enabled:
             self.chain = DraftChain(head, k, self.graphs.sizes, graphs.max_blocks_per_req, graphs.block_size,
-                                    hidden_size, device)
+                                    hidden_size, device, reads_tokens=not self.uses_target_hidden)
             with torch.cuda.device(device):
                 self.chain.capture()
 
@@ -204,6 +204,10 @@ class ModelDrafter:
         rows, argmax, inputs, shift = step.rows, step.argmax, step.inputs, step.shift
         num_tokens, num_reqs, ctx = len(step.positions), len(rows), inputs.ctx
         query_start_loc = ctx.query_start_loc[:num_reqs + 1]
+        if num_drafts == self.k and self.chain is not None and \
+                self.chain.can_run(num_reqs, [row.query_len for row in rows], ctx.block_tables.shape[1]):
+            return self.chain.run(argmax, inputs.input_ids, None, inputs.positions, query_start_loc, ctx.block_tables,
+                                  num_tokens)
         num_accepted, next_token = greedy_accepted(argmax[:num_tokens], inputs.input_ids[:num_tokens],
                                                    query_start_loc, max(row.query_len for row in rows) - 1)
         index, starts, first = [], [], 0  # into [input ids | argmax]; each request's first catch-up row
