@@ -23,7 +23,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from truespec import LLM, SamplingParams
-from truespec.assets import DEFAULT_EAGLE_DIR
+from truespec.assets import DEFAULT_DRAFT_MODEL_DIR, DEFAULT_EAGLE_DIR
 
 PROMPTS = Path(__file__).resolve().parent / "prompts" / "heldout.jsonl"
 CONFIGS = {
@@ -40,6 +40,11 @@ CONFIGS = {
                   {"async_scheduling": False}),
     "eagle k=3 ahead": ({"method": "eagle", "num_speculative_tokens": 3, "model": str(DEFAULT_EAGLE_DIR)},
                         {"async_scheduling": True}),
+    "draft_model k=3": ({"method": "draft_model", "num_speculative_tokens": 3, "model": str(DEFAULT_DRAFT_MODEL_DIR)},
+                        {"async_scheduling": True}),
+    "draft_model k=3 on device": ({"method": "draft_model", "num_speculative_tokens": 3,
+                                   "model": str(DEFAULT_DRAFT_MODEL_DIR), "draft_on_device": True},
+                                  {"async_scheduling": True}),
 }
 
 
