@@ -19,7 +19,7 @@ projections are row invariant, attention is per row), so the drafts are the same
 
 A draft model reads tokens, not hidden states (``ModelDrafter._draft_model_on_device``): its catch-up has one row more
 per request (the position after the query), fed the step's first input token and then each row's argmax, and each
-draft sits one position later. Its metadata is computed by torch ops inside the graph (``_token_catch_up``); the
+draft sits one position later. Its metadata is computed by torch ops inside the graph (``_token_chain``); the
 acceptance comes from the same launch as a head's.
 """
 
