@@ -17,7 +17,7 @@ states, start positions, block tables) and the request count; requests past it a
 slot -1, context length 0). Every real row computes what the launches of ``draft_on_device`` compute (the
 projections are row invariant, attention is per row), so the drafts are the same (tests/test_gpu_spec_exactness.py).
 
-A draft model reads tokens, not hidden states (``ModelDrafter._draft_model_on_device``): its catch-up has one row more
+A draft model reads tokens, not hidden states (``device_drafts.draft_by_launches``): its catch-up has one row more
 per request (the position after the query), fed the step's first input token and then each row's argmax, and each
 draft sits one position later. Its metadata is computed by torch ops inside the graph (``_token_chain``); the
 acceptance comes from the same launch as a head's.

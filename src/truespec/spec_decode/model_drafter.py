@@ -27,7 +27,7 @@ from truespec.core.scheduler_output import ScheduledRequest
 from truespec.kv_cache.layout import allocate_caches, state_bytes_per_slot
 from truespec.layers.sampler import probabilities, request_generator
 from truespec.spec_decode.deferred_catch_up import Behind, DeferredCatchUp
-from truespec.spec_decode.device_drafts import DeviceDrafts, greedy_accepted
+from truespec.spec_decode.device_drafts import DeviceDrafts, draft_by_launches
 from truespec.spec_decode.draft_chain import DraftChain
 from truespec.spec_decode.interface import DraftRequest, Drafts
 from truespec.worker.graph_runner import GraphRunner, GraphSettings
@@ -157,82 +157,20 @@ class ModelDrafter:
     @torch.inference_mode()
     def draft_on_device(self, step: LaunchedStep, num_drafts: int, seqs: dict[str, object]) -> DeviceDrafts:
         """Queue a greedy step's acceptance, catch-up and ``num_drafts`` (k or 0) drafts per request on the
-        device, nothing read back (``seqs``: unused; ngram_on_device.py reads them).
-
-        ``step.rows`` / ``positions``: the target step's, as the host built them (``shift``: how far the device
-        moved them); its hidden states, ``argmax`` [T] and ``inputs`` (ids, moved positions, metadata): on the
-        device. The catch-up covers every query row, each with the target's argmax of it as the token after it: up
-        to the last accepted draft that is the draft, then the next token; the rows after it write KV at positions
-        the drafts overwrite before anything reads them. The same tokens as ``propose`` (tests/test_async_spec.py).
-        A step whose requests all verify k drafts runs as one graph replay (``DraftChain``) where one is
-        captured. 0 drafts (the next steps draft nothing): only the acceptance and the catch-up, which keeps the
-        drafter's cache whole for when drafting resumes."""
+        device, nothing read back (``seqs``: unused; ngram_on_device.py reads them): one launch per forward
+        (``draft_by_launches``, which says what each forward computes), or, where every request verifies k drafts and
+        a graph is captured, one replay (``DraftChain``). The same tokens as ``propose`` (tests/test_async_spec.py).
+        0 drafts (the next steps draft nothing): only the acceptance and the catch-up, which keeps the drafter's cache
+        whole for when drafting resumes."""
         self.forget(step.sched.finished_req_ids)
-        if not self.uses_target_hidden:
-            return self._draft_model_on_device(step, num_drafts)
-        rows, positions, hidden, argmax, inputs, shift = (step.rows, step.positions, step.output.hidden_states,
-                                                          step.argmax, step.inputs, step.shift)
-        num_tokens, num_reqs, ctx = len(positions), len(rows), inputs.ctx
-        if num_drafts == self.k and self.chain is not None and \
-                self.chain.can_run(num_reqs, [row.query_len for row in rows], ctx.block_tables.shape[1]):
-            return self.chain.run(argmax, inputs.input_ids, hidden, inputs.positions,
-                                  ctx.query_start_loc[:num_reqs + 1], ctx.block_tables, num_tokens)
-        query_start_loc = ctx.query_start_loc[:num_reqs + 1]
-        max_drafts = max(row.query_len for row in rows) - 1
-        num_accepted, next_token = greedy_accepted(argmax[:num_tokens], inputs.input_ids[:num_tokens],
-                                                   query_start_loc, max_drafts)
-        out, _ = self.graphs.run(rows, [0] * num_tokens, positions, hidden[:num_tokens], decode_only=True,
-                                 input_ids_from=argmax, shift=shift)
-        hidden = out[query_start_loc[:-1] + num_accepted]  # [R, H]: at the last accepted position
-        moved = num_accepted if shift is None else shift + num_accepted
-        drafts: list[torch.Tensor] = []
-        for j in range(num_drafts):
-            if j > 0:  # draft j at the position after the last accepted one + j (host: before the move)
-                step_rows = [ContextRow(row.block_ids, row.start + j, 1, -1, -1, 0, 0) for row in rows]
-                hidden, _ = self.graphs.run(step_rows, [0] * len(rows), [row.start + j for row in rows], hidden,
-                                            decode_only=True, input_ids_from=drafts[-1], shift=moved)
-            logits = self.head.compute_logits(hidden)
-            drafts.append((logits if logits.dtype == torch.float64 else logits.float()).argmax(dim=-1))
-        return DeviceDrafts(num_accepted, torch.stack([next_token, *drafts], dim=1))
-
-    def _draft_model_on_device(self, step: LaunchedStep, num_drafts: int) -> DeviceDrafts:
-        """``draft_on_device`` for a draft model (it reads tokens, not the target's hidden states). Its catch-up covers
-        each request's query rows and the position after them, fed the step's first input token and then each row's
-        argmax (the draft where it was accepted, then the next token; later rows write KV that the drafts or the next
-        catch-up overwrite before anything reads it): up to the new token, the tokens ``propose`` feeds. The first
-        draft comes from the new token's row, draft j (j >= 1) is fed at the position after it + j."""
-        rows, argmax, inputs, shift = step.rows, step.argmax, step.inputs, step.shift
+        rows, inputs = step.rows, step.inputs
         num_tokens, num_reqs, ctx = len(step.positions), len(rows), inputs.ctx
-        query_start_loc = ctx.query_start_loc[:num_reqs + 1]
         if num_drafts == self.k and self.chain is not None and \
                 self.chain.can_run(num_reqs, [row.query_len for row in rows], ctx.block_tables.shape[1]):
-            return self.chain.run(argmax, inputs.input_ids, None, inputs.positions, query_start_loc, ctx.block_tables,
-                                  num_tokens)
-        num_accepted, next_token = greedy_accepted(argmax[:num_tokens], inputs.input_ids[:num_tokens],
-                                                   query_start_loc, max(row.query_len for row in rows) - 1)
-        index, starts, first = [], [], 0  # into [input ids | argmax]; each request's first catch-up row
-        for row in rows:
-            starts.append(first + len(starts))
-            index += [first, *range(num_tokens + first, num_tokens + first + row.query_len)]
-            first += row.query_len
-        device = argmax.device
-        ids = torch.cat([inputs.input_ids[:num_tokens], argmax[:num_tokens]]).index_select(
-            0, to_device_async(index, device))
-        catch_up = [ContextRow(row.block_ids, row.start, row.query_len + 1, -1, -1, 0, 0) for row in rows]
-        positions = [p for row in rows for p in range(row.start, row.start + row.query_len + 1)]
-        out, _ = self.graphs.run(catch_up, [0] * len(index), positions, decode_only=True, input_ids_from=ids,
-                                 shift=shift)
-        hidden = out[to_device_async(starts, device) + num_accepted + 1]  # [R, H]: at the new token
-        moved = num_accepted if shift is None else shift + num_accepted
-        drafts: list[torch.Tensor] = []
-        for j in range(num_drafts):
-            if j > 0:  # draft j at the position after the new token + j (host: before the move)
-                step_rows = [ContextRow(row.block_ids, row.start + 1 + j, 1, -1, -1, 0, 0) for row in rows]
-                hidden, _ = self.graphs.run(step_rows, [0] * num_reqs, [row.start + 1 + j for row in rows],
-                                            decode_only=True, input_ids_from=drafts[-1], shift=moved)
-            logits = self.head.compute_logits(hidden)
-            drafts.append((logits if logits.dtype == torch.float64 else logits.float()).argmax(dim=-1))
-        return DeviceDrafts(num_accepted, torch.stack([next_token, *drafts], dim=1))
+            hidden = step.output.hidden_states if self.uses_target_hidden else None
+            return self.chain.run(step.argmax, inputs.input_ids, hidden, inputs.positions,
+                                  ctx.query_start_loc[:num_reqs + 1], ctx.block_tables, num_tokens)
+        return draft_by_launches(self.head, self.graphs, step, num_drafts, reads_tokens=not self.uses_target_hidden)
 
     # ---- catch-up ------------------------------------------------------------------------------------
     def _catch_up_job(self, r: DraftRequest, output: ModelRunnerOutput, behind: Behind | None = None) -> _Job | None:
