@@ -10,11 +10,11 @@ CPU_ROW_MULTIPLE = 4  # CPU matmuls whose rows must not depend on each other run
 
 
 def padded_rows(x: torch.Tensor) -> torch.Tensor:
-    """``x`` [M, K] with zero rows below it up to a multiple of CPU_ROW_MULTIPLE (``x`` itself if M is one). The
-    CPU BLAS rounds a row of ``x @ W`` by the kernel it picks for the row count: one for a single row, another for
-    2-3, and rows in a last partial tile of 4 differently again (measured on an AMD EPYC in fp32 and fp64, session
-    17); computed among a multiple of 4 rows, every row is a row of a full tile, with the same bits whatever else
-    is in the product (tests/test_cpu_batched_ops.py). Slice the product's first M rows."""
+    """``x`` [M, K] with zero rows below it up to a multiple of CPU_ROW_MULTIPLE (``x`` itself if M is a multiple).
+    The CPU BLAS rounds a row of ``x @ W`` by the kernel it picks for the row count: one for a single row, another for
+    2-3, and rows in a last partial tile of 4 differently again (measured on an AMD EPYC in fp32 and fp64:
+    BENCHMARKS.md); computed among a multiple of 4 rows, every row is a row of a full tile, with the same bits whatever
+    else is in the product (tests/test_cpu_batched_ops.py). Slice the product's first M rows."""
     pad = -x.shape[0] % CPU_ROW_MULTIPLE
     return torch.cat([x, x.new_zeros(pad, x.shape[1])]) if pad else x
 

@@ -1,16 +1,15 @@
 """Prompt-lookup (n-gram) drafting: find the longest suffix n-gram seen earlier, propose what followed.
 
-The drafts: ``min(k, max_drafts)`` tokens that followed the most recent earlier occurrence of the longest suffix
-n-gram (n from max_n down to min_n; an occurrence starts before ``len - n``, so it is not the suffix itself), []
-when none occurred. Where fewer tokens follow the occurrence (it is recent: the text repeats with the period from
-it to the end), they are repeated: vLLM stops at the end, but a loop, or an edit copying repeated lines, goes on
-with the same period (session 17, the embedded model's edit prompts at one request: mean acceptance length 7.0
-with drafts repeated so, 3.7 without). Scanning the whole history for that on every step costs O(len) host time
-per request, milliseconds a step at batch size 64 with long contexts, while a decode step on the device takes one
-or two; so each request keeps an index that grows with its tokens (tokens are only ever appended: prompt, then
-output, kept across preemption), and a step costs per request and per n a hash of each new token's n-gram and a
-look into one bucket: no work grows with the context but the rare rebuild when the positions outgrow the buckets
-(each rebuild doubles them: O(1) per token amortized).
+The drafts: ``min(k, max_drafts)`` tokens that followed the most recent earlier occurrence of the longest suffix n-gram
+(n from max_n down to min_n; an occurrence starts before ``len - n``, so it is not the suffix itself), [] when none
+occurred. Where fewer tokens follow the occurrence (it is recent: the text repeats with the period from it to the end),
+they are repeated: vLLM stops at the end, but a loop, or an edit copying repeated lines, goes on with the same period
+(mean acceptance length on the embedded model's edit prompts: BENCHMARKS.md). Scanning the whole history for that on
+every step costs O(len) host time per request, milliseconds a step at batch size 64 with long contexts, while a decode
+step on the device takes one or two; so each request keeps an index that grows with its tokens (tokens are only ever
+appended: prompt, then output, kept across preemption), and a step costs per request and per n a hash of each new
+token's n-gram and a look into one bucket: no work grows with the context but the rare rebuild when the positions
+outgrow the buckets (each rebuild doubles them: O(1) per token amortized).
 
 The index, per n in [min_n, max_n], is a pair of hash chains as in zlib's deflate: ``heads[bucket]`` is the last
 position where an n-gram of that bucket ended and ``prev[p]`` the one before p in p's bucket, so a bucket's
