@@ -48,10 +48,11 @@ METHODS = {
 # after the previous one's read (async_scheduling=False, as every speculative step was before session 15)
 METHODS |= {f"{name} host-planned": METHODS[name] for name in ("mtp k=3", "eagle k=3")}
 ENGINE_KWARGS = {f"{name} host-planned": {"async_scheduling": False} for name in ("mtp k=3", "eagle k=3")}
-# "on device": ngram / the draft model draft on the device behind each step, their verifies queued ahead
-# (speculative_config key draft_on_device; the default drafts on the host after each step's read)
+# speculative_config key draft_on_device: "ngram k=8 on device" drafts on the device behind each step, its verifies
+# queued ahead (ngram's default drafts on the host after each step's read); "draft_model k=3 on the host" drafts on
+# the host (a draft model's default, since session 19, drafts on the device)
 METHODS["ngram k=8 on device"] = METHODS["ngram k=8"] | {"draft_on_device": True}
-METHODS["draft_model k=3 on device"] = METHODS["draft_model k=3"] | {"draft_on_device": True}
+METHODS["draft_model k=3 on the host"] = METHODS["draft_model k=3"] | {"draft_on_device": False}
 # "no drafts": disable_by_batch_size 1, so no step drafts: what a step the governor turns off costs each method;
 # "auto": the speculation governor on (spec_decode/governor.py)
 METHODS |= {f"{name} {variant}": METHODS[name] | extra for name in ("ngram k=8", "mtp k=3", "eagle k=3",

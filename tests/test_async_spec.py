@@ -128,15 +128,26 @@ def assert_all_free(llm: LLM) -> None:
         assert not proposer.on_device.rows and not proposer.indexes
 
 
-@pytest.mark.parametrize("method, max_num_seqs", [("mtp", 1), ("mtp", 6), ("eagle", 4), ("ngram", 1), ("ngram", 6),
-                                                 ("draft_model", 1), ("draft_model", 6)])
+@pytest.mark.parametrize("method, max_num_seqs", [("mtp", 1), ("mtp", 4), ("mtp", 6), ("eagle", 4), ("ngram", 1),
+                                                 ("ngram", 6), ("draft_model", 1), ("draft_model", 4)])
 def test_queued_verifies_give_the_tokens_without_speculation(embedded: tuple, method: str,
                                                              max_num_seqs: int) -> None:
     prompts, reference = embedded
     params = varied_params(reference)
-    llm = spec_engine(method, True, max_num_seqs=max_num_seqs, max_num_batched_tokens=256)
+    # max_num_seqs 4 (two of six wait): prefix caching off, so a joining prompt is one chunk (on a hybrid model with
+    # prefix caching a prompt's chunks end at its state checkpoints) and may join a verify queued ahead
+    llm = spec_engine(method, True, max_num_seqs=max_num_seqs, max_num_batched_tokens=256,
+                      enable_prefix_caching=max_num_seqs != 4)
+    drafter, behind_prompts = llm.llm_engine.proposer, []
+    real = drafter.draft_on_device
+    drafter.draft_on_device = lambda step, *args: behind_prompts.append(
+        any(row.num_logits < row.query_len for row in step.rows)) or real(step, *args)
     out = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert out == expected_tokens(reference, params)
+    # a model drafter drafted behind prompt chunks on the device too (each request joining, with max_num_seqs 1),
+    # and with 4 running of 6, one left waiting joined a verify queued ahead (no host-planned step between)
+    assert sum(behind_prompts) >= (0 if method == "ngram" else 6 if max_num_seqs == 1 else 1)
+    assert llm.llm_engine.overlap.num_admitted_ahead >= (1 if max_num_seqs == 4 else 0)
     metrics = llm.get_metrics()
     # accepted runs, not just rejections (ngram: its drafts past a match are guesses, often rejected)
     assert metrics["num_accepted_tokens"] > (0.2 if method == "ngram" else 0.5) * metrics["num_drafts"]
@@ -247,6 +258,8 @@ def test_ngram_drafts_on_device_are_the_host_proposers(embedded: tuple) -> None:
         qsl = step.inputs.ctx.query_start_loc[:len(step.rows) + 1]
         lengths = (step.inputs.positions[qsl[:-1]] + drafts.num_accepted + 2).tolist()
         for r, length, ids in zip(step.sched.scheduled, lengths, drafts.next_ids.tolist(), strict=True):
+            if length > len(truth[r.request_id]):  # it reached max_tokens in the step before: these rows are dropped
+                continue
             tokens = truth[r.request_id][:length]
             assert on_device.history[on_device.rows[r.request_id].index, :length].tolist() == tokens
             assert ids[0] == tokens[-1]  # the next token
@@ -274,7 +287,8 @@ def test_ngram_drafts_on_device_are_the_host_proposers(embedded: tuple) -> None:
 def test_draft_model_drafts_on_device_are_its_greedy_continuation(embedded: tuple, chain: bool) -> None:
     """Behind every queued draft-model step (``draft_on_device``), each request's next token is the true one and its
     k drafts are what the draft model itself generates greedily from the request's history through that token (its
-    catch-up fed the right tokens at the right positions, moved ones included): drafted by one launch per forward,
+    catch-up fed the right tokens at the right positions, moved ones included; also behind the last prompt chunk of
+    a request joining the batch): drafted by one launch per forward,
     or by the one-replay chain (spec_decode/draft_chain.py) run op by op."""
     from truespec.spec_decode.draft_chain import DraftChain
 
@@ -282,7 +296,7 @@ def test_draft_model_drafts_on_device_are_its_greedy_continuation(embedded: tupl
     greedy = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     llm = spec_engine("draft_model", True, max_num_seqs=4, max_num_batched_tokens=256)
     engine = llm.llm_engine
-    drafter, truth, checked = engine.proposer, {}, []
+    drafter, truth, checked, joined = engine.proposer, {}, [], []
     if chain:
         drafter.chain = DraftChain(drafter.head, 3, [1, 2, 4, 8], -(-(2048 + 3 + 1) // 16), 16, None,
                                    torch.device("cpu"), reads_tokens=True)
@@ -293,12 +307,16 @@ def test_draft_model_drafts_on_device_are_its_greedy_continuation(embedded: tupl
     def checked_draft(step: object, num_drafts: int, seqs: dict) -> object:
         drafts = real(step, num_drafts, seqs)
         qsl = step.inputs.ctx.query_start_loc[:len(step.rows) + 1]
-        lengths = (step.inputs.positions[qsl[:-1]] + drafts.num_accepted + 2).tolist()  # through the new token
+        prompt_rows = torch.tensor([row.query_len - row.num_logits for row in step.rows])  # a joining request's
+        lengths = (step.inputs.positions[qsl[:-1]] + prompt_rows + drafts.num_accepted + 2).tolist()  # + new token
         for r, length, ids in zip(step.sched.scheduled, lengths, drafts.next_ids.tolist(), strict=True):
+            if length > len(truth[r.request_id]):  # it reached max_tokens in the step before: these rows are dropped
+                continue
             tokens = truth[r.request_id][:length]
             assert ids[0] == tokens[-1]  # the next token
             if num_drafts == drafter.k and length + drafter.k <= len(truth[r.request_id]):
                 checked.append((tokens, ids[1:], step.shift is not None))
+        joined.append(int(prompt_rows.sum()) > 0)
         return drafts
 
     drafter.draft_on_device = checked_draft
@@ -309,6 +327,7 @@ def test_draft_model_drafts_on_device_are_its_greedy_continuation(embedded: tupl
     while engine.has_unfinished_requests():
         engine.step()
     assert len(checked) > 30 and sum(shifted for _, _, shifted in checked) > 10  # many queued behind a verify
+    assert sum(joined) >= 2  # requests joined the batch (4 running of 6): drafted behind their prompts' last chunks
     assert not chain or len(runs) > 10
     alone = LLM(str(DEFAULT_DRAFT_MODEL_DIR), dtype="float64", device="cpu", max_model_len=2048)
     continued = alone.generate([{"prompt_token_ids": tokens} for tokens, _, _ in checked],
@@ -339,8 +358,34 @@ def test_drafting_on_the_device_needs_blocks_for_its_reach() -> None:
     # 2 blocks (positions 0..31); the query is positions 25..28
     step = NS(scheduled=[NS(request_id="a", is_last_chunk=True, num_new_tokens=1, params=greedy,
                             num_computed_tokens=25, num_scheduled_tokens=4, block_ids=[7, 9])])
-    overlap.drafter = NS(is_behind=lambda ids: False, device_reach=3)  # a head at k = 4, or a draft model at k = 3
+    # a head at k = 4, or a draft model at k = 3
+    overlap.drafter = NS(is_behind=lambda ids: False, device_reach=3, drafts_after_prompts=True)
     assert overlap._drafts_on_device(step, is_ahead=False)  # writes up to position 31
     overlap.drafter.device_reach = 4  # a draft model at k = 4: position 32 is past its blocks
     assert not overlap._drafts_on_device(step, is_ahead=False)
     assert overlap._drafts_on_device(step, is_ahead=True)
+
+
+def test_drafting_on_the_device_behind_a_prompt_chunk() -> None:
+    """Behind a request's last prompt chunk (a request joining the batch) a model drafter drafts on the device; ngram
+    (``drafts_after_prompts`` False) does not, nor does any drafter behind an earlier chunk or a chunk whose prompt
+    logprobs are due."""
+    from types import SimpleNamespace as NS
+
+    from truespec.engine.async_scheduler import AsyncScheduler
+
+    overlap = object.__new__(AsyncScheduler)
+    overlap.scheduler = NS(kv=NS(block_size=16))
+    overlap.drafter = NS(is_behind=lambda ids: False, device_reach=3, drafts_after_prompts=True)
+    greedy = NS(is_greedy=True, logprobs=None)
+
+    def chunk(is_last_chunk: bool = True, prompt_logprobs: tuple[int, ...] = ()) -> NS:  # positions 10..19 of 2 blocks
+        return NS(scheduled=[NS(request_id="a", is_last_chunk=is_last_chunk, num_new_tokens=10, params=greedy,
+                                num_computed_tokens=10, num_scheduled_tokens=10, block_ids=[7, 9],
+                                prompt_logprob_token_ids=list(prompt_logprobs))])
+
+    assert overlap._drafts_on_device(chunk(), is_ahead=False)
+    assert not overlap._drafts_on_device(chunk(is_last_chunk=False), is_ahead=False)
+    assert not overlap._drafts_on_device(chunk(prompt_logprobs=(5, 6)), is_ahead=False)
+    overlap.drafter.drafts_after_prompts = False
+    assert not overlap._drafts_on_device(chunk(), is_ahead=False)

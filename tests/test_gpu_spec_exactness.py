@@ -53,8 +53,8 @@ METHODS: dict[str, dict] = {
     "mtp k=3": {"method": "mtp", "num_speculative_tokens": 3},
     "eagle k=3": {"method": "eagle", "num_speculative_tokens": 3, "model": str(DEFAULT_EAGLE_DIR)},
     "draft_model k=3": {"method": "draft_model", "num_speculative_tokens": 3, "model": str(DEFAULT_DRAFT_MODEL_DIR)},
-    "draft_model k=3 on device": {"method": "draft_model", "num_speculative_tokens": 3,
-                                  "model": str(DEFAULT_DRAFT_MODEL_DIR), "draft_on_device": True},
+    "draft_model k=3 on the host": {"method": "draft_model", "num_speculative_tokens": 3,
+                                    "model": str(DEFAULT_DRAFT_MODEL_DIR), "draft_on_device": False},
 }
 if os.environ.get("TRUESPEC_GPU_METHODS"):  # e.g. "ngram,mtp": run only these methods (a shorter GPU call)
     METHODS = {name: spec for name, spec in METHODS.items()

@@ -166,8 +166,9 @@ class SpeculativeConfig:
     enforce_eager: bool | None = None  # True: the drafter runs without CUDA graphs (None: the target's mode)
     # ngram and draft_model (truespec's key): True, drafts made on the device behind each greedy step, so that
     # verifies queue ahead with async scheduling (spec_decode/ngram_on_device.py, ModelDrafter.draft_on_device);
-    # None / False: on the host after each step's read (ngram: faster on the embedded model, BENCHMARKS.md session
-    # 17; draft_model: not yet measured on a GPU). MTP and EAGLE always draft on the device.
+    # False: on the host after each step's read. None: ngram on the host (faster on the embedded model,
+    # BENCHMARKS.md session 17), a draft model without recurrent state on the device (1.3-2.1x faster, session 19).
+    # MTP and EAGLE always draft on the device.
     draft_on_device: bool | None = None
     # vLLM's key: no drafts in a step after which this many requests or more are running (None: always draft)
     disable_by_batch_size: int | None = None

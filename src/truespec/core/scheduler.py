@@ -25,6 +25,7 @@ fla's results then do not depend on how the prompt was cut.
 
 import time
 from collections import deque
+from collections.abc import Callable
 
 from truespec.core.gdn_prefill_rule import GdnPrefillRule
 from truespec.core.prefix_planner import PrefixPlanner
@@ -98,11 +99,14 @@ class Scheduler:
             out.state_saves = self.prefix.take_saves()
         return out
 
-    def schedule_verify_ahead(self, plans: list[tuple[Sequence, int, int, int]]) -> SchedulerOutput | None:
+    def schedule_verify_ahead(self, plans: list[tuple[Sequence, int, int, int]],
+                              may_admit: Callable[[Sequence, int], bool] | None = None) -> SchedulerOutput | None:
         """The next step of every running request, planned while the current one runs (speculative steps queued
         ahead): per request (seq, first query position as if nothing is accepted now, drafts it verifies, positions
         its blocks must cover). The device moves each request past what it accepts and supplies the token and
-        drafts, so the host lists placeholders. Nothing is preempted: None when the blocks do not fit."""
+        drafts, so the host lists placeholders. Nothing is preempted: None when the blocks do not fit. Waiting
+        requests are admitted after them as ``schedule`` admits them (their prompt tokens known on the host), while
+        ``may_admit(seq, num_tokens)`` agrees (None: none is)."""
         kv = self.kv
         if sum(kv.num_blocks_needed(seq.request_id, hold) for seq, _, _, hold in plans) > kv.num_free_blocks:
             return None
@@ -114,6 +118,10 @@ class Scheduler:
                 seq.request_id, seq.params, start, 1 + num_drafts, ids, ids[1:], None, block_ids,
                 kv.first_state_slot(seq.request_id), 0, len(seq.output_token_ids) + 1, True, seq.prompt_len,
                 gdn_chunked=self._gdn_chunked(seq)))
+        if may_admit is not None:
+            self._prefill_cap = self._step_prefill_cap()
+            self._admit(self.max_num_batched_tokens - sum(r.num_scheduled_tokens for r in out.scheduled), out,
+                        may_admit)
         out.finished_req_ids, self._finished_ids = self._finished_ids, []
         out.state_saves = self.prefix.take_saves()
         return out
@@ -208,7 +216,8 @@ class Scheduler:
                 return False
         return True
 
-    def _admit(self, budget: int, out: SchedulerOutput) -> None:
+    def _admit(self, budget: int, out: SchedulerOutput,
+               may_admit: Callable[[Sequence, int], bool] | None = None) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             hit = self.prefix.find(seq)
@@ -216,7 +225,8 @@ class Scheduler:
             plan = self._plan(seq, budget)
             num_tokens = self._num_tokens_to_hold(seq, *plan) if plan is not None else 0
             if plan is None or not (self.kv.can_allocate_state() and
-                                    self.kv.can_allocate(seq.request_id, num_tokens, hit)):
+                                    self.kv.can_allocate(seq.request_id, num_tokens, hit)) or \
+                    may_admit is not None and not may_admit(seq, plan[0]):
                 seq.num_computed_tokens = 0
                 break
             n, drafts = plan

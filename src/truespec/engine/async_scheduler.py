@@ -69,6 +69,8 @@ class AsyncScheduler:
         self.num_drafts, self.may_draft = num_drafts, may_draft
         self.inflight: LaunchedStep | None = None  # a queued step, collected by the next engine step
         self.num_async_steps = 0  # steps queued before the previous one's tokens were read
+        self.host_admits = False  # a waiting request did not fit the last verify queued ahead: the next is host-planned
+        self.num_admitted_ahead = 0  # waiting requests that joined a verify queued ahead
 
     def take(self) -> LaunchedStep | None:
         launched, self.inflight = self.inflight, None
@@ -138,46 +140,101 @@ class AsyncScheduler:
 
     # ---- verifies -----------------------------------------------------------------------------------
     def _drafts_on_device(self, sched: SchedulerOutput, is_ahead: bool) -> bool:
-        """Whether the drafter drafts behind this step on the device: every request is a greedy decode or verify
-        without logprobs, and its blocks cover the drafts' positions (a step planned ahead allocated them)."""
+        """Whether the drafter drafts behind this step on the device: every request is greedy without logprobs,
+        computes its last token (a decode or verify; with a model drafter also the last chunk of a prompt: a request
+        joining the batch), and its blocks cover the drafts' positions (a step planned ahead allocated them)."""
         if self.drafter is None or self.drafter.is_behind([r.request_id for r in sched.scheduled]):
             return False  # a request whose catch-up was deferred catches up on the host (``ModelDrafter.propose``)
         # positions past the query the drafter writes KV at (a model drafter's drafts; ngram none)
         reach = self.drafter.device_reach if not is_ahead else 0
-        block_size = self.scheduler.kv.block_size
-        return all(r.is_last_chunk and r.num_new_tokens == 1 and r.params.is_greedy and r.params.logprobs is None
+        block_size, after_prompts = self.scheduler.kv.block_size, self.drafter.drafts_after_prompts
+        return all(r.is_last_chunk and (r.num_new_tokens == 1 or after_prompts and not r.prompt_logprob_token_ids)
+                   and r.params.is_greedy and r.params.logprobs is None
                    and r.num_computed_tokens + r.num_scheduled_tokens + reach <= len(r.block_ids) * block_size
                    for r in sched.scheduled)
 
+    def _going_on(self, launched: LaunchedStep) -> tuple[list[int], list[Sequence]] | None:
+        """The rows of ``launched`` whose requests go on (a request that finished at the step before it, or was
+        aborted, is left out) and their requests, if those are exactly the running ones and none has structured
+        outputs (its next rows' grammar mask needs ``launched``'s tokens on the host)."""
+        if any(r.params.structured_outputs is not None for r in launched.sched.scheduled):
+            return None
+        rows, seqs = [], []
+        for i, r in enumerate(launched.sched.scheduled):
+            seq = self.seqs.get(r.request_id)
+            if seq is not None and not seq.is_finished:
+                rows.append(i)
+                seqs.append(seq)
+        return (rows, seqs) if seqs and seqs == self.scheduler.running else None
+
+    def _may_admit(self, seq: Sequence, num_tokens: int) -> bool:
+        """Whether a waiting request may join a verify queued ahead: its whole prompt (the rest after a cached
+        prefix) in the step, greedy without logprobs or structured outputs, so the drafter drafts behind it on the
+        device too (``_drafts_on_device``) and the step after it is queued ahead again."""
+        p = seq.params
+        return (num_tokens == seq.num_uncomputed_tokens and not seq.draft_token_ids and p.is_greedy
+                and p.logprobs is None and p.prompt_logprobs is None and p.structured_outputs is None)
+
     def _launch_verify(self, launched: LaunchedStep) -> bool:
-        """Plan and queue the verify after ``launched`` from the drafts queued behind it."""
-        seqs = self._same_requests(launched)
-        if seqs is None:
+        """Plan and queue the verify after ``launched`` from the drafts queued behind it; waiting requests that
+        ``_may_admit`` join it (with a drafter that drafts behind prompts: ``drafts_after_prompts``)."""
+        going_on = self._going_on(launched)
+        if going_on is None:
             return False
+        kept, seqs = going_on
+        sched = self.scheduler
+        may_admit = self._may_admit if self.drafter.drafts_after_prompts else None
+        could_join = sched.waiting and len(sched.running) < sched.max_num_seqs
+        if could_join and (self.host_admits or may_admit is None
+                           or not may_admit(sched.waiting[0], sched.waiting[0].num_uncomputed_tokens)):
+            self.host_admits = False
+            return False  # the next step admits a waiting request: its prompt goes in a step planned on the host
         dd = launched.device_drafts
         k, plans = dd.num_drafts, []  # k drafts, or none (drafted while drafting was off)
-        for r, seq in zip(launched.sched.scheduled, seqs, strict=True):
+        scheduled = [launched.sched.scheduled[i] for i in kept]
+        lookahead, limits = self.drafter.num_lookahead_tokens, []  # limits: the most each request's plan may move
+        for r, seq in zip(scheduled, seqs, strict=True):
+            if seq.params.min_tokens > len(seq.output_token_ids):
+                return False  # its next rows may need min_tokens bans
             num_drafts_now = len(r.draft_token_ids)
             room = seq.max_output_len - len(seq.output_token_ids) - 1 - num_drafts_now  # if it accepts them all
-            if room < 1 or seq.params.min_tokens > len(seq.output_token_ids):
-                return False  # it may finish at ``launched``, or its next rows may need min_tokens bans
-            num_drafts = min(self.num_drafts(seq.request_id, True), room - 1, k)  # every request is greedy here
-            start = seq.num_computed_tokens + 1  # as if ``launched`` accepts nothing; the device adds what it did
+            num_drafts = max(min(self.num_drafts(seq.request_id, True), room - 1, k), 0)  # all greedy here
+            # as if ``launched`` accepts nothing (the device adds what it did): after its query's sequence tokens
+            start = seq.num_computed_tokens + r.num_new_tokens
             end = start + num_drafts_now + 1 + num_drafts  # if ``launched`` accepts every draft
-            plans.append((seq, start, num_drafts, end + self.drafter.num_lookahead_tokens))
-        if sum(1 + d for _, _, d, _ in plans) > self.scheduler.max_num_batched_tokens:
+            if room >= 1:
+                plans.append((seq, start, num_drafts, end + lookahead))
+                limits.append(num_drafts_now)
+                continue
+            # it may finish at ``launched`` (its max_tokens), then its rows here are dropped; if it does not, it
+            # accepted too few for its row to pass its last position: its move is capped there, and so are its blocks
+            last = seq.prompt_len + seq.max_output_len - 1
+            plans.append((seq, start, 0, min(end, last + 1) + lookahead))
+            limits.append(max(min(num_drafts_now, last - start), 0))
+        if sum(1 + d for _, _, d, _ in plans) > sched.max_num_batched_tokens:
             return False
-        out = self.scheduler.schedule_verify_ahead(plans)
+        out = sched.schedule_verify_ahead(plans, may_admit if sched.waiting else None)
         if out is None:
             return False
-        counts = {d for _, _, d, _ in plans}
-        if len(counts) == 1:  # each request takes its next token and the same number of drafts
+        device, counts = dd.next_ids.device, {d for _, _, d, _ in plans}
+        if len(counts) == 1 and len(kept) == len(launched.sched.scheduled):  # each: the token, as many drafts
             (num_drafts,) = counts
-            ids = dd.next_ids[:, :1 + num_drafts].flatten()
+            ids, shift = dd.next_ids[:, :1 + num_drafts].flatten(), dd.num_accepted
         else:
-            index = [i * (1 + k) + j for i, (_, _, d, _) in enumerate(plans) for j in range(1 + d)]
-            ids = dd.next_ids.flatten().index_select(0, to_device_async(index, dd.next_ids.device))
-        self.inflight = self.launch(out, input_ids_from=ids, shift=dd.num_accepted)
+            index = [i * (1 + k) + j for i, (_, _, d, _) in zip(kept, plans, strict=True) for j in range(1 + d)]
+            ids = dd.next_ids.flatten().index_select(0, to_device_async(index, device))
+            shift = dd.num_accepted.index_select(0, to_device_async(kept, device))
+        # one that could join but did not (its prompt does not fit the step's budget or KV blocks): the next step is
+        # planned on the host, which admits it as ``schedule`` does (a long prompt in chunks)
+        self.host_admits = bool(sched.waiting) and len(sched.running) < sched.max_num_seqs
+        if any(limit < len(r.draft_token_ids) for limit, r in zip(limits, scheduled, strict=True)):
+            shift = torch.minimum(shift, to_device_async(limits, device))
+        admitted = out.scheduled[len(plans):]  # joining requests: their prompt tokens from the host, not moved
+        if admitted:
+            self.num_admitted_ahead += len(admitted)
+            ids = torch.cat([ids, to_device_async([t for r in admitted for t in r.token_ids], device)])
+            shift = torch.cat([shift, shift.new_zeros(len(admitted))])
+        self.inflight = self.launch(out, input_ids_from=ids, shift=shift)
         self.num_async_steps += 1
         return True
 

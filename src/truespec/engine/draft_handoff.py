@@ -50,7 +50,9 @@ class DraftHandoff:
                 continue
             tokens = output.sampled_token_ids[i]
             num_drafts = self.num_drafts(r.request_id, r.params.is_greedy) if may_draft and tokens else 0
-            start = seq.num_computed_tokens - len(tokens) if shifted else r.num_computed_tokens
+            # a request's query in a step queued ahead starts where the device moved it (a prompt: not moved)
+            is_moved = shifted and r.num_new_tokens == 1
+            start = seq.num_computed_tokens - len(tokens) if is_moved else r.num_computed_tokens
             requests.append(DraftRequest(
                 r.request_id, r.params, seq.prompt_token_ids, seq.output_token_ids, start,
                 seq.num_computed_tokens, i, r.block_ids, r.first_state_slot, num_drafts > 0,

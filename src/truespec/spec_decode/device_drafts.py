@@ -47,41 +47,66 @@ def draft_by_launches(head: torch.nn.Module, graphs: "GraphRunner", step: "Launc
     """A greedy step's acceptance, the drafter's catch-up and ``num_drafts`` drafts per request, one launch per forward.
 
     ``step.rows`` / ``positions``: the target step's, as the host built them (``shift``: how far the device moved
-    them); its hidden states, ``argmax`` [T] and ``inputs`` (ids, moved positions, metadata): on the device. The
-    catch-up covers every query row, each fed the target's argmax of the row before it: up to the last accepted draft
-    that is the draft, then the next token; rows after it write KV that the drafts or the next catch-up overwrite
-    before anything reads it. A head (MTP, EAGLE) pairs row t's hidden state with the argmax of row t, and its first
-    draft comes from the last accepted row. A draft model (``reads_tokens``) also covers the position after the query,
-    fed the step's first input token and then each row's argmax (up to the new token, what ``propose`` feeds), and its
-    first draft comes from the new token's row. Draft j (j >= 1) is fed at the position after the first draft's + j."""
+    them); its hidden states, ``argmax`` [logits rows] and ``inputs`` (ids, moved positions, metadata): on the device.
+    A request's query is ``p`` prompt rows (the rest of its last prompt chunk: a request joining the batch, or a
+    re-prefill after preemption; 0 for a decode / verify), then its logits rows: its last prompt row or decode row and
+    its drafts. The catch-up covers every query row, each fed the token after it: a prompt row the next prompt token,
+    a logits row the target's argmax of it (up to the last accepted draft that is the draft, then the new token);
+    rows after it write KV that the drafts or the next catch-up overwrite before anything reads it. A head (MTP,
+    EAGLE) pairs row t's hidden state with that token, and its first draft comes from the last accepted row. A draft
+    model (``reads_tokens``) reads each row's own token and also covers the position after the query: fed the
+    query's input tokens through its first logits row, then each logits row's argmax (up to the new token, what
+    ``propose`` feeds), and its first draft comes from the new token's row. Draft j (j >= 1) is fed at the position
+    after the first draft's + j."""
     rows, argmax, inputs, shift = step.rows, step.argmax, step.inputs, step.shift
-    num_tokens, num_reqs = len(step.positions), len(rows)
+    num_tokens, num_reqs, device = len(step.positions), len(rows), argmax.device
     query_start_loc = inputs.ctx.query_start_loc[:num_reqs + 1]
-    num_accepted, next_token = greedy_accepted(argmax[:num_tokens], inputs.input_ids[:num_tokens], query_start_loc,
-                                               max(row.query_len for row in rows) - 1)
+    # per request: its first query row, its prompt rows (before its logits rows), its first row in ``argmax``
+    starts, prompt_rows, logits_starts = [], [], [0]  # logits_starts: also where the last request's rows end
+    for row in rows:
+        starts.append(starts[-1] + rows[len(starts) - 1].query_len if starts else 0)
+        prompt_rows.append(row.query_len - row.num_logits)
+        logits_starts.append(logits_starts[-1] + row.num_logits)
+    has_prompts, num_logits = any(prompt_rows), logits_starts[-1]
+    max_drafts = max(row.num_logits for row in rows) - 1
+    if has_prompts:  # acceptance over the logits rows only: their input ids gathered
+        logits_rows = [t for s, p, row in zip(starts, prompt_rows, rows, strict=True)
+                       for t in range(s + p, s + row.query_len)]
+        num_accepted, next_token = greedy_accepted(argmax[:num_logits], inputs.input_ids.index_select(
+            0, to_device_async(logits_rows, device)), to_device_async(logits_starts, device), max_drafts)
+    else:  # a decode / verify step: argmax row t is query row t
+        num_accepted, next_token = greedy_accepted(argmax[:num_tokens], inputs.input_ids[:num_tokens],
+                                                   query_start_loc, max_drafts)
+    fed_from = torch.cat([inputs.input_ids[:num_tokens], argmax[:num_logits]])  # what a catch-up row may be fed
     offset = int(reads_tokens)  # the first draft's row past the last accepted one
-    if reads_tokens:
-        index, starts, first = [], [], 0  # into [input ids | argmax]; each request's first catch-up row
-        for row in rows:
-            starts.append(first + len(starts))
-            index += [first, *range(num_tokens + first, num_tokens + first + row.query_len)]
-            first += row.query_len
-        ids = torch.cat([inputs.input_ids[:num_tokens], argmax[:num_tokens]]).index_select(
-            0, to_device_async(index, argmax.device))
+    if reads_tokens:  # rows: the query's, then the position after it; ids: the query's through its first logits row
+        index, first_rows = [], []  # into ``fed_from``; the catch-up row of each request's first logits row
+        for i, (s, p, ls, row) in enumerate(zip(starts, prompt_rows, logits_starts, rows, strict=False)):
+            first_rows.append(s + i + p)
+            index += [*range(s, s + p + 1), *range(num_tokens + ls, num_tokens + ls + row.num_logits)]
         catch_up = [ContextRow(row.block_ids, row.start, row.query_len + 1, -1, -1, 0, 0) for row in rows]
         positions = [p for row in rows for p in range(row.start, row.start + row.query_len + 1)]
-        out, _ = graphs.run(catch_up, [0] * len(index), positions, decode_only=True, input_ids_from=ids, shift=shift)
-        first_rows = to_device_async(starts, argmax.device)
+        out, _ = graphs.run(catch_up, [0] * len(index), positions, decode_only=not has_prompts,
+                            input_ids_from=fed_from.index_select(0, to_device_async(index, device)), shift=shift)
+        first_logits = to_device_async(first_rows, device)
+    elif has_prompts:  # row t: the next prompt token (a prompt row), else its argmax
+        index = [t + 1 if t < s + p else num_tokens + ls + t - s - p
+                 for s, p, ls, row in zip(starts, prompt_rows, logits_starts, rows, strict=False)
+                 for t in range(s, s + row.query_len)]
+        out, _ = graphs.run(rows, [0] * num_tokens, step.positions, step.output.hidden_states[:num_tokens],
+                            decode_only=False, input_ids_from=fed_from.index_select(0, to_device_async(index, device)),
+                            shift=shift)
+        first_logits = to_device_async([s + p for s, p in zip(starts, prompt_rows, strict=True)], device)
     else:
         out, _ = graphs.run(rows, [0] * num_tokens, step.positions, step.output.hidden_states[:num_tokens],
                             decode_only=True, input_ids_from=argmax, shift=shift)
-        first_rows = query_start_loc[:-1]
-    hidden = out[first_rows + num_accepted + offset]  # [R, H]: the row the first draft is predicted from
+        first_logits = query_start_loc[:-1]
+    hidden = out[first_logits + num_accepted + offset]  # [R, H]: the row the first draft is predicted from
     moved = num_accepted if shift is None else shift + num_accepted
     drafts: list[torch.Tensor] = []
     for j in range(num_drafts):
         if j > 0:  # draft j at the first draft's position + j (host: before the move)
-            at = [row.start + offset + j for row in rows]
+            at = [row.start + p + offset + j for row, p in zip(rows, prompt_rows, strict=True)]
             step_rows = [ContextRow(row.block_ids, p, 1, -1, -1, 0, 0) for row, p in zip(rows, at, strict=True)]
             hidden, _ = graphs.run(step_rows, [0] * num_reqs, at, None if reads_tokens else hidden, decode_only=True,
                                    input_ids_from=drafts[-1], shift=moved)

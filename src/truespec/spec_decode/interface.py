@@ -84,6 +84,7 @@ class DeviceDrafter(Protocol):
     defers_while_off: bool  # while drafting is off, nothing is drafted behind a step (the next one is a decode)
     num_lookahead_tokens: int  # KV positions past a step's query it writes (its drafts'): blocks a step must hold
     device_reach: int  # of those, the ones drafting behind a step on the device writes (past that step's query)
+    drafts_after_prompts: bool  # it also drafts behind a step (planned on the host) with last prompt chunks
 
     def is_behind(self, request_ids: list[str]) -> bool:
         """Whether one of these requests must catch up on the host before it drafts on the device."""

@@ -55,11 +55,12 @@ class _Job:
 
 class ModelDrafter:
     catches_up = True  # its caches follow every position a request computes
+    drafts_after_prompts = True  # drafts on the device behind a step with last prompt chunks too (draft_by_launches)
     can_draft_on_device = True  # __init__ decides: a head without recurrent state; a draft model without, if asked
 
     def __init__(self, head: torch.nn.Module, k: int, num_blocks: int, num_state_slots: int, device: torch.device,
                  seed: int, graphs: GraphSettings, hidden_size: int | None = None,
-                 kv_cache_dtype: str = "auto", draft_on_device: bool = False) -> None:
+                 kv_cache_dtype: str = "auto", draft_on_device: bool | None = None) -> None:
         if draft_on_device and state_bytes_per_slot(head) > 0:  # before any cache or graph is made for it
             raise ValueError("speculative_config.draft_on_device: the draft model has recurrent state (GDN layers), "
                              "which drafting on the device does not keep; leave the key out")
@@ -73,10 +74,11 @@ class ModelDrafter:
         self.graphs = GraphRunner(head, f"drafter ({type(head).__name__})", graphs, device, hidden_size, head.dtype,
                                   num_staging=2 * (k + 1) + 2)
         self.graphs.capture()  # the drafter replays graphs whenever the target does
-        # a head without recurrent state drafts greedy steps on the device, queued behind the target's forward; with
-        # graphs, a uniform step's whole drafting is one replay (draft_chain.py). A draft model does so when asked
-        # (speculative_config.draft_on_device), the same way
-        self.can_draft_on_device = (self.uses_target_hidden or draft_on_device) and state_bytes_per_slot(head) == 0
+        # a drafter without recurrent state drafts greedy steps on the device, queued behind the target's forward;
+        # with graphs, a uniform step's whole drafting is one replay (draft_chain.py). A draft model does unless told
+        # not to (speculative_config.draft_on_device False)
+        wants = self.uses_target_hidden or draft_on_device is not False
+        self.can_draft_on_device = wants and state_bytes_per_slot(head) == 0
         # KV positions past a step's query that drafting behind it on the device writes: the k - 1 draft steps after
         # the last accepted position (a head), or one more for a draft model (its catch-up feeds the new token too)
         self.device_reach = k - 1 + self.offset
@@ -158,15 +160,15 @@ class ModelDrafter:
     def draft_on_device(self, step: LaunchedStep, num_drafts: int, seqs: dict[str, object]) -> DeviceDrafts:
         """Queue a greedy step's acceptance, catch-up and ``num_drafts`` (k or 0) drafts per request on the
         device, nothing read back (``seqs``: unused; ngram_on_device.py reads them): one launch per forward
-        (``draft_by_launches``, which says what each forward computes), or, where every request verifies k drafts and
-        a graph is captured, one replay (``DraftChain``). The same tokens as ``propose`` (tests/test_async_spec.py).
-        0 drafts (the next steps draft nothing): only the acceptance and the catch-up, which keeps the drafter's cache
-        whole for when drafting resumes."""
+        (``draft_by_launches``, which says what each forward computes; a step with last prompt chunks too), or, where
+        every request is a decode / verify and a graph is captured, one replay (``DraftChain``). The same tokens as
+        ``propose`` (tests/test_async_spec.py). 0 drafts (the next steps draft nothing): only the acceptance and the
+        catch-up, which keeps the drafter's cache whole for when drafting resumes."""
         self.forget(step.sched.finished_req_ids)
         rows, inputs = step.rows, step.inputs
         num_tokens, num_reqs, ctx = len(step.positions), len(rows), inputs.ctx
-        if num_drafts == self.k and self.chain is not None and \
-                self.chain.can_run(num_reqs, [row.query_len for row in rows], ctx.block_tables.shape[1]):
+        if num_drafts == self.k and self.chain is not None and all(row.num_logits == row.query_len for row in rows) \
+                and self.chain.can_run(num_reqs, [row.query_len for row in rows], ctx.block_tables.shape[1]):
             hidden = step.output.hidden_states if self.uses_target_hidden else None
             return self.chain.run(step.argmax, inputs.input_ids, hidden, inputs.positions,
                                   ctx.query_start_loc[:num_reqs + 1], ctx.block_tables, num_tokens)

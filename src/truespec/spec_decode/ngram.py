@@ -38,6 +38,7 @@ class NgramProposer:
     catches_up = False  # a request's index catches up on its tokens when it drafts
     defers_while_off = True  # while drafting is off, nothing is drafted on the device (nor indexed on the host)
     num_lookahead_tokens = device_reach = 0  # it writes no KV
+    drafts_after_prompts = False  # on the device only behind decodes / verifies (its token history is built there)
 
     def __init__(self, num_speculative_tokens: int, prompt_lookup_min: int, prompt_lookup_max: int,
                  draft_on_device: bool = False) -> None:

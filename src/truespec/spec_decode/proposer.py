@@ -63,7 +63,7 @@ def make_proposer(config: SpeculativeConfig | None, head: torch.nn.Module | None
     if config.enforce_eager:
         graphs = replace(graphs, mode="NONE")
     return ModelDrafter(head, k, num_blocks, num_state_slots, device, seed, graphs, hidden_size, kv_cache_dtype,
-                        bool(config.draft_on_device))
+                        config.draft_on_device)
 
 
 def prefix_cache_extra_tokens(head: torch.nn.Module | None) -> int | None:

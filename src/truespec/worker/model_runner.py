@@ -189,8 +189,8 @@ class ModelRunner:
                 out.logprobs.append(None)
                 continue
             drafts = r.draft_token_ids
-            if step.ids_at is not None:  # drafted on the device: the host learns them here
-                drafts = values[step.ids_at + qsl[i] + 1:step.ids_at + qsl[i + 1]]
+            if step.ids_at is not None:  # drafted on the device: the host learns them here (its query's last rows)
+                drafts = values[step.ids_at + qsl[i + 1] - len(drafts):step.ids_at + qsl[i + 1]]
             if r.params.is_greedy:  # the argmax of its 1 + d rows
                 tokens = greedy_verify(drafts, values[at:at + n])
             else:  # its d accept flags and 1 + d samples
