@@ -134,10 +134,11 @@ def test_queued_verifies_give_the_tokens_without_speculation(embedded: tuple, me
                                                              max_num_seqs: int) -> None:
     prompts, reference = embedded
     params = varied_params(reference)
-    # max_num_seqs 4 (two of six wait): prefix caching off, so a joining prompt is one chunk (on a hybrid model with
-    # prefix caching a prompt's chunks end at its state checkpoints) and may join a verify queued ahead
+    # max_num_seqs 4 (two of six wait) and MTP: prefix caching off, so a joining prompt is one chunk, drafted behind
+    # on the device (on a hybrid model with prefix caching a prompt's chunks end at its state checkpoints: with the
+    # draft model, its first chunk joins a queued verify and the proposer drafts on the host after it)
     llm = spec_engine(method, True, max_num_seqs=max_num_seqs, max_num_batched_tokens=256,
-                      enable_prefix_caching=max_num_seqs != 4)
+                      enable_prefix_caching=(method, max_num_seqs) != ("mtp", 4))
     drafter, behind_prompts = llm.llm_engine.proposer, []
     real = drafter.draft_on_device
     drafter.draft_on_device = lambda step, *args: behind_prompts.append(
@@ -145,9 +146,10 @@ def test_queued_verifies_give_the_tokens_without_speculation(embedded: tuple, me
     out = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert out == expected_tokens(reference, params)
     # a model drafter drafted behind prompt chunks on the device too (each request joining, with max_num_seqs 1),
-    # and with 4 running of 6, one left waiting joined a verify queued ahead (no host-planned step between)
+    # and with 4 running of 6, one left waiting joined a verify queued ahead (no host-planned step between; EAGLE's
+    # acceptance ends these requests at steps where another refuses to be queued ahead, e.g. min_tokens due)
     assert sum(behind_prompts) >= (0 if method == "ngram" else 6 if max_num_seqs == 1 else 1)
-    assert llm.llm_engine.overlap.num_admitted_ahead >= (1 if max_num_seqs == 4 else 0)
+    assert llm.llm_engine.overlap.num_admitted_ahead >= (method != "eagle" and max_num_seqs == 4)
     metrics = llm.get_metrics()
     # accepted runs, not just rejections (ngram: its drafts past a match are guesses, often rejected)
     assert metrics["num_accepted_tokens"] > (0.2 if method == "ngram" else 0.5) * metrics["num_drafts"]

@@ -168,12 +168,13 @@ class AsyncScheduler:
         return (rows, seqs) if seqs and seqs == self.scheduler.running else None
 
     def _may_admit(self, seq: Sequence, num_tokens: int) -> bool:
-        """Whether a waiting request may join a verify queued ahead: its whole prompt (the rest after a cached
-        prefix) in the step, greedy without logprobs or structured outputs, so the drafter drafts behind it on the
-        device too (``_drafts_on_device``) and the step after it is queued ahead again."""
+        """Whether a waiting request may join a verify queued ahead with ``num_tokens`` of its prompt: greedy without
+        logprobs or structured outputs and no drafts (a re-prefill's). When the chunk is its prompt's last (the rest
+        after a cached prefix), the drafter drafts behind the step on the device too (``_drafts_on_device``) and the
+        step after it is queued ahead again; after an earlier chunk the proposer drafts on the host."""
         p = seq.params
-        return (num_tokens == seq.num_uncomputed_tokens and not seq.draft_token_ids and p.is_greedy
-                and p.logprobs is None and p.prompt_logprobs is None and p.structured_outputs is None)
+        return (num_tokens > 0 and not seq.draft_token_ids and p.is_greedy and p.logprobs is None
+                and p.prompt_logprobs is None and p.structured_outputs is None)
 
     def _launch_verify(self, launched: LaunchedStep) -> bool:
         """Plan and queue the verify after ``launched`` from the drafts queued behind it; waiting requests that
