@@ -1,8 +1,8 @@
 """Async scheduling (vLLM's ``async_scheduling``): queue step N+1 on the device before reading step N's tokens.
 
-Two kinds of step are queued ahead, each only when every running request takes part, no waiting request could be
-admitted (its prompt goes in a step planned on the host) and none has structured outputs (the grammar mask of its
-next rows is built on the host from this step's tokens, so those steps run one after the other):
+Two kinds of step are queued ahead, each only when every running request takes part and none has structured outputs
+(the grammar mask of its next rows is built on the host from this step's tokens, so those steps run one after the
+other), and, for decodes, no waiting request could be admitted (its prompt goes in a step planned on the host):
 - **Decodes**: every request decodes greedily on, one token, without drafts, logprobs (of its output or of its
   prompt): step N+1's input ids are copied on the device from step N's argmax. What no token value changes is
   done ahead (positions, KV blocks, state slots); each request gets a placeholder token that the engine replaces
@@ -10,8 +10,8 @@ next rows is built on the host from this step's tokens, so those steps run one a
   turned drafting off, or disable_by_batch_size): ngram indexes the skipped tokens when it drafts again, and a model
   drafter defers its catch-up until then (``ModelDrafter.propose``), so such steps cost what steps without
   speculation cost.
-- **Verifies** (a proposer that drafts on the device: MTP, EAGLE; ngram and a draft model with ``draft_on_device``):
-  behind every greedy decode / verify step
+- **Verifies** (a proposer that drafts on the device: MTP, EAGLE, a draft model; ngram with ``draft_on_device``):
+  behind every greedy decode / verify step (a model drafter: also behind a request's last prompt chunk)
   the proposer queues the step's accepted counts and each request's next token and k drafts on the device
   (``ModelDrafter.draft_on_device``, ``NgramProposer.draft_on_device``; while the next steps may not draft, nothing:
   the queued step after a verify then goes on as a plain decode). Step N+1
@@ -19,6 +19,10 @@ next rows is built on the host from this step's tokens, so those steps run one a
   each request's positions, KV slots and state source by what N accepted (``input_builder.shift_positions``) and
   feeds the next token and drafts. The host learns N+1's drafts
   with its tokens, in the step's one read. The host work of N+1 and N+2 thus overlaps N's and N+1's forwards.
+  With a model drafter, waiting requests join N+1 (greedy ones without logprobs: their prompt chunks, whose tokens
+  the host knows, after the verifies; ``_may_admit``), a request that finished at N - 1 is left out of it, and one
+  that may reach max_tokens at N stays in it without drafts, its move capped at its last position (if N ends it,
+  its rows are dropped): neither a finish nor a join waits for a step planned on the host.
 A request that stops at N has its queued work discarded: the KV and state it wrote went to blocks and slots it
 held, and anything that reuses them later is queued after it on the same stream. Each request's rows are
 computed as without the overlap (docs/ARCHITECTURE.md, invariant 1), so outputs are unchanged
@@ -199,19 +203,19 @@ class AsyncScheduler:
                 return False  # its next rows may need min_tokens bans
             num_drafts_now = len(r.draft_token_ids)
             room = seq.max_output_len - len(seq.output_token_ids) - 1 - num_drafts_now  # if it accepts them all
-            num_drafts = max(min(self.num_drafts(seq.request_id, True), room - 1, k), 0)  # all greedy here
             # as if ``launched`` accepts nothing (the device adds what it did): after its query's sequence tokens
             start = seq.num_computed_tokens + r.num_new_tokens
-            end = start + num_drafts_now + 1 + num_drafts  # if ``launched`` accepts every draft
             if room >= 1:
+                num_drafts = min(self.num_drafts(seq.request_id, True), room - 1, k)  # every request is greedy here
+                end = start + num_drafts_now + 1 + num_drafts  # if ``launched`` accepts every draft
                 plans.append((seq, start, num_drafts, end + lookahead))
                 limits.append(num_drafts_now)
                 continue
             # it may finish at ``launched`` (its max_tokens), then its rows here are dropped; if it does not, it
             # accepted too few for its row to pass its last position: its move is capped there, and so are its blocks
             last = seq.prompt_len + seq.max_output_len - 1
-            plans.append((seq, start, 0, min(end, last + 1) + lookahead))
-            limits.append(max(min(num_drafts_now, last - start), 0))
+            plans.append((seq, start, 0, min(start + num_drafts_now + 1, last + 1) + lookahead))
+            limits.append(min(num_drafts_now, last - start))
         if sum(1 + d for _, _, d, _ in plans) > sched.max_num_batched_tokens:
             return False
         out = sched.schedule_verify_ahead(plans, may_admit if sched.waiting else None)
