@@ -359,7 +359,7 @@ def test_drafting_on_the_device_needs_blocks_for_its_reach() -> None:
     greedy = NS(is_greedy=True, logprobs=None)
     # 2 blocks (positions 0..31); the query is positions 25..28
     step = NS(scheduled=[NS(request_id="a", is_last_chunk=True, num_new_tokens=1, params=greedy,
-                            num_computed_tokens=25, num_scheduled_tokens=4, block_ids=[7, 9])])
+                            num_computed_tokens=25, num_scheduled_tokens=4, block_ids=[7, 9], num_prompt_rows=0)])
     # a head at k = 4, or a draft model at k = 3
     overlap.drafter = NS(is_behind=lambda ids: False, device_reach=3, drafts_after_prompts=True)
     assert overlap._drafts_on_device(step, is_ahead=False)  # writes up to position 31
@@ -384,10 +384,46 @@ def test_drafting_on_the_device_behind_a_prompt_chunk() -> None:
     def chunk(is_last_chunk: bool = True, prompt_logprobs: tuple[int, ...] = ()) -> NS:  # positions 10..19 of 2 blocks
         return NS(scheduled=[NS(request_id="a", is_last_chunk=is_last_chunk, num_new_tokens=10, params=greedy,
                                 num_computed_tokens=10, num_scheduled_tokens=10, block_ids=[7, 9],
-                                prompt_logprob_token_ids=list(prompt_logprobs))])
+                                prompt_logprob_token_ids=list(prompt_logprobs), num_prompt_rows=10)])
 
     assert overlap._drafts_on_device(chunk(), is_ahead=False)
+    # joined to a verify queued ahead, a prompt's blocks cover the reach only if its longest length does
+    assert overlap._drafts_on_device(chunk(), is_ahead=True)
+    overlap.drafter.device_reach = 13  # positions 20..32: past its 2 blocks
+    assert not overlap._drafts_on_device(chunk(), is_ahead=True)
+    overlap.drafter.device_reach = 3
     assert not overlap._drafts_on_device(chunk(is_last_chunk=False), is_ahead=False)
     assert not overlap._drafts_on_device(chunk(prompt_logprobs=(5, 6)), is_ahead=False)
     overlap.drafter.drafts_after_prompts = False
     assert not overlap._drafts_on_device(chunk(), is_ahead=False)
+
+
+@pytest.mark.parametrize("method", ["mtp", "draft_model"])
+def test_joining_a_queued_verify_near_max_tokens(method: str) -> None:
+    """Requests joining verifies queued ahead with max_tokens 1 or 2: their blocks end at their longest length, closer
+    than the drafter's reach past the prompt, so nothing is drafted behind that step on the device (it drafts on the
+    host): the tokens of the run without speculation, nothing leaks."""
+    prompts = random_prompts([31] * 8, seed=3)  # 31 + 1 or 2 tokens: their blocks end within the drafter's reach
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (24, 1, 2, 1, 1, 2, 1, 24)]
+    base = LLM(str(DEFAULT_MODEL_DIR), dtype="float64", device="cpu", max_model_len=256)
+    reference = [o.outputs[0].token_ids for o in base.generate(prompts, params, use_tqdm=False)]
+    llm = spec_engine(method, True, max_model_len=256, max_num_seqs=2, enable_prefix_caching=False)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == reference
+    assert llm.llm_engine.overlap.num_admitted_ahead > 0
+    assert_all_free(llm)
+
+
+def test_prompt_blocks_are_cached_when_the_next_verify_is_queued_ahead() -> None:
+    """After a prompt's last chunk the next verify is planned before the step's tokens are read: the prompt's blocks
+    are cached all the same (a dense target whose draft model drafts on the device), so the same prompt with two
+    more tokens hits them."""
+    model = str(DEFAULT_DRAFT_MODEL_DIR)
+    llm = LLM(model, dtype="float64", device="cpu", max_model_len=512, async_scheduling=True,
+              speculative_config=SPEC["draft_model"] | {"model": model})
+    prompt = random_prompts([100], seed=5)[0]
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    llm.generate([prompt], greedy, use_tqdm=False)
+    assert llm.llm_engine.overlap.num_async_steps > 0  # its verifies were queued ahead
+    llm.generate([{"prompt_token_ids": prompt["prompt_token_ids"] + [11, 12]}], greedy, use_tqdm=False)
+    assert llm.get_metrics()["prefix_cache_hits"] >= 96  # six blocks of 16
+    assert_all_free(llm)

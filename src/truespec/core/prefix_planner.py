@@ -78,14 +78,16 @@ class PrefixPlanner:
         self._steps.pop(request_id, None)
 
     # ---- progress ----------------------------------------------------------------------------------
-    def progress(self, seq: Sequence, is_finished: bool = False) -> None:
+    def progress(self, seq: Sequence, is_finished: bool = False, computed: int | None = None) -> None:
         """Cache ``seq``'s completed blocks and save the checkpoints its last step passed. ``is_finished``: it
-        finished in that step, so a model drafter never caught up on the step's positions: they are not cached."""
+        finished in that step, so a model drafter never caught up on the step's positions: they are not cached.
+        ``computed``: the tokens computed after that step when ``seq`` does not say it yet (a step planned ahead of
+        reading it: its prompt positions are known)."""
         kv, request_id, bs = self.kv, seq.request_id, self.kv.block_size
         step = self._steps.pop(request_id, None)
         if (step is None or step[0] >= seq.prompt_len) and kv.num_cached_blocks_of(request_id) >= seq.prompt_len // bs:
             return  # a step past the prompt (no checkpoint there), every prompt block cached: the common decode
-        computed = seq.num_computed_tokens
+        computed = seq.num_computed_tokens if computed is None else computed
         if is_finished and kv.prefix.has_drafter_cache:
             computed = step[0] if step is not None else 0
         computed = min(computed, seq.prompt_len)  # only prompt positions are shared (module docstring)

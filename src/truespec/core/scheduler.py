@@ -112,6 +112,8 @@ class Scheduler:
             return None
         out = SchedulerOutput()
         for seq, start, num_drafts, hold in plans:
+            if self.prefix.is_enabled:  # its step's prompt positions (through ``start``) are known: cache them
+                self.prefix.progress(seq, computed=start)
             self.prefix.forget_step(seq.request_id)  # what it accepts is known on the device only
             ids, block_ids = [PLACEHOLDER] * (1 + num_drafts), kv.allocate(seq.request_id, hold)
             out.scheduled.append(ScheduledRequest(

@@ -73,7 +73,7 @@ class AsyncScheduler:
         self.num_drafts, self.may_draft = num_drafts, may_draft
         self.inflight: LaunchedStep | None = None  # a queued step, collected by the next engine step
         self.num_async_steps = 0  # steps queued before the previous one's tokens were read
-        self.host_admits = False  # a waiting request did not fit the last verify queued ahead: the next is host-planned
+        self.host_admits = False  # a request still waited beside the last verify queued ahead: host-plan the next
         self.num_admitted_ahead = 0  # waiting requests that joined a verify queued ahead
 
     def take(self) -> LaunchedStep | None:
@@ -146,15 +146,17 @@ class AsyncScheduler:
     def _drafts_on_device(self, sched: SchedulerOutput, is_ahead: bool) -> bool:
         """Whether the drafter drafts behind this step on the device: every request is greedy without logprobs,
         computes its last token (a decode or verify; with a model drafter also the last chunk of a prompt: a request
-        joining the batch), and its blocks cover the drafts' positions (a step planned ahead allocated them)."""
+        joining the batch), and its blocks cover the drafts' positions (a verify planned ahead allocated them for
+        the most it can move; a prompt's blocks end at its longest possible length, which may be closer)."""
         if self.drafter is None or self.drafter.is_behind([r.request_id for r in sched.scheduled]):
             return False  # a request whose catch-up was deferred catches up on the host (``ModelDrafter.propose``)
         # positions past the query the drafter writes KV at (a model drafter's drafts; ngram none)
-        reach = self.drafter.device_reach if not is_ahead else 0
+        reach = self.drafter.device_reach
         block_size, after_prompts = self.scheduler.kv.block_size, self.drafter.drafts_after_prompts
         return all(r.is_last_chunk and (r.num_new_tokens == 1 or after_prompts and not r.prompt_logprob_token_ids)
                    and r.params.is_greedy and r.params.logprobs is None
-                   and r.num_computed_tokens + r.num_scheduled_tokens + reach <= len(r.block_ids) * block_size
+                   and r.num_computed_tokens + r.num_scheduled_tokens + (reach if not is_ahead or r.num_prompt_rows
+                                                                         else 0) <= len(r.block_ids) * block_size
                    for r in sched.scheduled)
 
     def _going_on(self, launched: LaunchedStep) -> tuple[list[int], list[Sequence]] | None:
@@ -190,9 +192,9 @@ class AsyncScheduler:
         sched = self.scheduler
         may_admit = self._may_admit if self.drafter.drafts_after_prompts else None
         could_join = sched.waiting and len(sched.running) < sched.max_num_seqs
-        if could_join and (self.host_admits or may_admit is None
+        host_admits, self.host_admits = self.host_admits, False
+        if could_join and (host_admits or may_admit is None
                            or not may_admit(sched.waiting[0], sched.waiting[0].num_uncomputed_tokens)):
-            self.host_admits = False
             return False  # the next step admits a waiting request: its prompt goes in a step planned on the host
         dd = launched.device_drafts
         k, plans = dd.num_drafts, []  # k drafts, or none (drafted while drafting was off)
@@ -229,8 +231,8 @@ class AsyncScheduler:
             index = [i * (1 + k) + j for i, (_, _, d, _) in zip(kept, plans, strict=True) for j in range(1 + d)]
             ids = dd.next_ids.flatten().index_select(0, to_device_async(index, device))
             shift = dd.num_accepted.index_select(0, to_device_async(kept, device))
-        # one that could join but did not (its prompt does not fit the step's budget or KV blocks): the next step is
-        # planned on the host, which admits it as ``schedule`` does (a long prompt in chunks)
+        # one that could join but did not (its prompt does not fit the step's budget or KV blocks): the next step that
+        # could admit it is planned on the host, which admits it as ``schedule`` does (a long prompt in chunks)
         self.host_admits = bool(sched.waiting) and len(sched.running) < sched.max_num_seqs
         if any(limit < len(r.draft_token_ids) for limit, r in zip(limits, scheduled, strict=True)):
             shift = torch.minimum(shift, to_device_async(limits, device))
@@ -239,7 +241,12 @@ class AsyncScheduler:
             self.num_admitted_ahead += len(admitted)
             ids = torch.cat([ids, to_device_async([t for r in admitted for t in r.token_ids], device)])
             shift = torch.cat([shift, shift.new_zeros(len(admitted))])
-        self.inflight = self.launch(out, input_ids_from=ids, shift=shift)
+        try:
+            self.inflight = self.launch(out, input_ids_from=ids, shift=shift)
+        except BaseException:  # the engine restarts ``launched``'s requests; the ones admitted here wait again
+            for r in admitted:
+                sched.preempt(self.seqs[r.request_id])
+            raise
         self.num_async_steps += 1
         return True
 
