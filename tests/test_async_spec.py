@@ -427,3 +427,23 @@ def test_prompt_blocks_are_cached_when_the_next_verify_is_queued_ahead() -> None
     llm.generate([{"prompt_token_ids": prompt["prompt_token_ids"] + [11, 12]}], greedy, use_tqdm=False)
     assert llm.get_metrics()["prefix_cache_hits"] >= 96  # six blocks of 16
     assert_all_free(llm)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_batches_of_joins_and_finishes(seed: int) -> None:
+    """Random prompt lengths, output lengths and stops, chunk budgets and batch limits, prefix caching on or off, MTP
+    or the draft model, with async scheduling (joins and finishes inside verifies queued ahead): the tokens of the run
+    without speculation, and every block and state slot free at the end."""
+    rng = random.Random(seed)
+    method = ("mtp", "draft_model")[seed % 2]
+    prompts = random_prompts([rng.randint(3, 70) for _ in range(9)], seed=seed)
+    params = [SamplingParams(temperature=0, max_tokens=rng.randint(1, 30), ignore_eos=True,
+                             stop_token_ids=[rng.randrange(1, 300)] if rng.random() < 0.3 else None)
+              for _ in prompts]
+    base = LLM(str(DEFAULT_MODEL_DIR), dtype="float64", device="cpu", max_model_len=256)
+    reference = [o.outputs[0].token_ids for o in base.generate(prompts, params, use_tqdm=False)]
+    llm = spec_engine(method, True, max_model_len=256, max_num_seqs=rng.randint(2, 4),
+                      max_num_batched_tokens=rng.choice([48, 96, 256]), enable_prefix_caching=rng.random() < 0.5)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == reference
+    assert llm.llm_engine.overlap.num_admitted_ahead > 0  # requests joined verifies queued ahead
+    assert_all_free(llm)
