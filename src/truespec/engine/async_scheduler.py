@@ -19,10 +19,9 @@ other), and, for decodes, no waiting request could be admitted (its prompt goes 
   each request's positions, KV slots and state source by what N accepted (``input_builder.shift_positions``) and
   feeds the next token and drafts. The host learns N+1's drafts
   with its tokens, in the step's one read. The host work of N+1 and N+2 thus overlaps N's and N+1's forwards.
-  With a model drafter, waiting requests join N+1 (greedy ones without logprobs: their prompt chunks, whose tokens
-  the host knows, after the verifies; ``_may_admit``), a request that finished at N - 1 is left out of it, and one
-  that may reach max_tokens at N stays in it without drafts, its move capped at its last position (if N ends it,
-  its rows are dropped): neither a finish nor a join waits for a step planned on the host.
+  A request that finished before N is left out of N+1, one that may reach max_tokens at N stays in it, and with a
+  model drafter waiting requests join it (engine/verify_plan.py): neither a finish nor a join waits for a step
+  planned on the host.
 A request that stops at N has its queued work discarded: the KV and state it wrote went to blocks and slots it
 held, and anything that reuses them later is queued after it on the same stream. Each request's rows are
 computed as without the overlap (docs/ARCHITECTURE.md, invariant 1), so outputs are unchanged
@@ -37,9 +36,9 @@ import torch
 from truespec.core.scheduler import Scheduler
 from truespec.core.scheduler_output import SchedulerOutput
 from truespec.core.sequence import PLACEHOLDER, Sequence
+from truespec.engine.verify_plan import plan_verify
 from truespec.spec_decode.interface import DeviceDrafter
 from truespec.spec_decode.ngram import NgramProposer
-from truespec.worker.input_builder import to_device_async
 from truespec.worker.model_runner import LaunchedStep, ModelRunner
 
 logger = logging.getLogger("truespec")
@@ -73,7 +72,7 @@ class AsyncScheduler:
         self.num_drafts, self.may_draft = num_drafts, may_draft
         self.inflight: LaunchedStep | None = None  # a queued step, collected by the next engine step
         self.num_async_steps = 0  # steps queued before the previous one's tokens were read
-        self.host_admits = False  # a request still waited beside the last verify queued ahead: host-plan the next
+        self.host_admits = False  # a request still waited beside the last verify queued ahead (verify_plan.py)
         self.num_admitted_ahead = 0  # waiting requests that joined a verify queued ahead
 
     def take(self) -> LaunchedStep | None:
@@ -159,94 +158,19 @@ class AsyncScheduler:
                                                                          else 0) <= len(r.block_ids) * block_size
                    for r in sched.scheduled)
 
-    def _going_on(self, launched: LaunchedStep) -> tuple[list[int], list[Sequence]] | None:
-        """The rows of ``launched`` whose requests go on (a request that finished at the step before it, or was
-        aborted, is left out) and their requests, if those are exactly the running ones and none has structured
-        outputs (its next rows' grammar mask needs ``launched``'s tokens on the host)."""
-        if any(r.params.structured_outputs is not None for r in launched.sched.scheduled):
-            return None
-        rows, seqs = [], []
-        for i, r in enumerate(launched.sched.scheduled):
-            seq = self.seqs.get(r.request_id)
-            if seq is not None and not seq.is_finished:
-                rows.append(i)
-                seqs.append(seq)
-        return (rows, seqs) if seqs and seqs == self.scheduler.running else None
-
-    def _may_admit(self, seq: Sequence, num_tokens: int) -> bool:
-        """Whether a waiting request may join a verify queued ahead with ``num_tokens`` of its prompt: greedy without
-        logprobs or structured outputs and no drafts (a re-prefill's). When the chunk is its prompt's last (the rest
-        after a cached prefix), the drafter drafts behind the step on the device too (``_drafts_on_device``) and the
-        step after it is queued ahead again; after an earlier chunk the proposer drafts on the host."""
-        p = seq.params
-        return (num_tokens > 0 and not seq.draft_token_ids and p.is_greedy and p.logprobs is None
-                and p.prompt_logprobs is None and p.structured_outputs is None)
-
     def _launch_verify(self, launched: LaunchedStep) -> bool:
-        """Plan and queue the verify after ``launched`` from the drafts queued behind it; waiting requests that
-        ``_may_admit`` join it (with a drafter that drafts behind prompts: ``drafts_after_prompts``)."""
-        going_on = self._going_on(launched)
-        if going_on is None:
+        """Plan (verify_plan.py) and queue the verify after ``launched`` from the drafts queued behind it."""
+        plan, self.host_admits = plan_verify(self.scheduler, self.seqs, self.drafter, self.num_drafts, launched,
+                                             self.host_admits)
+        if plan is None:
             return False
-        kept, seqs = going_on
-        sched = self.scheduler
-        may_admit = self._may_admit if self.drafter.drafts_after_prompts else None
-        could_join = sched.waiting and len(sched.running) < sched.max_num_seqs
-        host_admits, self.host_admits = self.host_admits, False
-        if could_join and (host_admits or may_admit is None
-                           or not may_admit(sched.waiting[0], sched.waiting[0].num_uncomputed_tokens)):
-            return False  # the next step admits a waiting request: its prompt goes in a step planned on the host
-        dd = launched.device_drafts
-        k, plans = dd.num_drafts, []  # k drafts, or none (drafted while drafting was off)
-        scheduled = [launched.sched.scheduled[i] for i in kept]
-        lookahead, limits = self.drafter.num_lookahead_tokens, []  # limits: the most each request's plan may move
-        for r, seq in zip(scheduled, seqs, strict=True):
-            if seq.params.min_tokens > len(seq.output_token_ids):
-                return False  # its next rows may need min_tokens bans
-            num_drafts_now = len(r.draft_token_ids)
-            room = seq.max_output_len - len(seq.output_token_ids) - 1 - num_drafts_now  # if it accepts them all
-            # as if ``launched`` accepts nothing (the device adds what it did): after its query's sequence tokens
-            start = seq.num_computed_tokens + r.num_new_tokens
-            if room >= 1:
-                num_drafts = min(self.num_drafts(seq.request_id, True), room - 1, k)  # every request is greedy here
-                end = start + num_drafts_now + 1 + num_drafts  # if ``launched`` accepts every draft
-                plans.append((seq, start, num_drafts, end + lookahead))
-                limits.append(num_drafts_now)
-                continue
-            # it may finish at ``launched`` (its max_tokens), then its rows here are dropped; if it does not, it
-            # accepted too few for its row to pass its last position: its move is capped there, and so are its blocks
-            last = seq.prompt_len + seq.max_output_len - 1
-            plans.append((seq, start, 0, min(start + num_drafts_now + 1, last + 1) + lookahead))
-            limits.append(min(num_drafts_now, last - start))
-        if sum(1 + d for _, _, d, _ in plans) > sched.max_num_batched_tokens:
-            return False
-        out = sched.schedule_verify_ahead(plans, may_admit if sched.waiting else None)
-        if out is None:
-            return False
-        device, counts = dd.next_ids.device, {d for _, _, d, _ in plans}
-        if len(counts) == 1 and len(kept) == len(launched.sched.scheduled):  # each: the token, as many drafts
-            (num_drafts,) = counts
-            ids, shift = dd.next_ids[:, :1 + num_drafts].flatten(), dd.num_accepted
-        else:
-            index = [i * (1 + k) + j for i, (_, _, d, _) in zip(kept, plans, strict=True) for j in range(1 + d)]
-            ids = dd.next_ids.flatten().index_select(0, to_device_async(index, device))
-            shift = dd.num_accepted.index_select(0, to_device_async(kept, device))
-        # one that could join but did not (its prompt does not fit the step's budget or KV blocks): the next step that
-        # could admit it is planned on the host, which admits it as ``schedule`` does (a long prompt in chunks)
-        self.host_admits = bool(sched.waiting) and len(sched.running) < sched.max_num_seqs
-        if any(limit < len(r.draft_token_ids) for limit, r in zip(limits, scheduled, strict=True)):
-            shift = torch.minimum(shift, to_device_async(limits, device))
-        admitted = out.scheduled[len(plans):]  # joining requests: their prompt tokens from the host, not moved
-        if admitted:
-            self.num_admitted_ahead += len(admitted)
-            ids = torch.cat([ids, to_device_async([t for r in admitted for t in r.token_ids], device)])
-            shift = torch.cat([shift, shift.new_zeros(len(admitted))])
         try:
-            self.inflight = self.launch(out, input_ids_from=ids, shift=shift)
+            self.inflight = self.launch(plan.sched, input_ids_from=plan.input_ids, shift=plan.shift)
         except BaseException:  # the engine restarts ``launched``'s requests; the ones admitted here wait again
-            for r in admitted:
-                sched.preempt(self.seqs[r.request_id])
+            for r in plan.admitted:
+                self.scheduler.preempt(self.seqs[r.request_id])
             raise
+        self.num_admitted_ahead += len(plan.admitted)
         self.num_async_steps += 1
         return True
 
