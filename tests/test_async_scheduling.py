@@ -182,8 +182,11 @@ def test_draft_on_device_without_async_scheduling_says_it_has_no_effect(caplog: 
     from truespec.engine.async_scheduler import queued_steps
     from truespec.spec_decode.ngram import NgramProposer
 
-    assert queued_steps(None, "cpu", NgramProposer(3, 2, 2, True)) == (False, False)
+    assert queued_steps(None, "cpu", NgramProposer(3, 2, 2, True), asked_on_device=True) == (False, False)
     assert "speculative_config.draft_on_device has no effect" in caplog.text
+    caplog.clear()  # a draft model drafts on the device by default: without the key set, nothing to say
+    assert queued_steps(None, "cpu", NgramProposer(3, 2, 2, True)) == (False, False)
+    assert "draft_on_device" not in caplog.text
 
 
 def test_a_dropped_queued_step_reports_its_finished_requests_again() -> None:

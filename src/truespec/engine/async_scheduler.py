@@ -38,22 +38,22 @@ from truespec.core.scheduler_output import SchedulerOutput
 from truespec.core.sequence import PLACEHOLDER, Sequence
 from truespec.engine.verify_plan import plan_verify
 from truespec.spec_decode.interface import DeviceDrafter
-from truespec.spec_decode.ngram import NgramProposer
 from truespec.worker.model_runner import LaunchedStep, ModelRunner
 
 logger = logging.getLogger("truespec")
 
 
-def queued_steps(async_scheduling: bool | None, device_type: str, proposer: object | None) -> tuple[bool, bool]:
+def queued_steps(async_scheduling: bool | None, device_type: str, proposer: object | None,
+                 asked_on_device: bool = False) -> tuple[bool, bool]:
     """(decodes queued ahead, verifies queued ahead) for an engine's ``async_scheduling`` (None: on for CUDA, off on
     CPU) and proposer. Decodes: with any proposer, for the steps that draft nothing (ngram indexes the tokens it
     skipped when it drafts again; a model drafter defers its catch-up, spec_decode/model_drafter.py). Verifies:
-    with a proposer that drafts on the device (MTP / EAGLE; a draft model and ngram with ``draft_on_device``, see
-    ``ModelDrafter.can_draft_on_device``): for MTP faster than planning them on the host at every batch size
-    measured (BENCHMARKS.md, session 15)."""
+    with a proposer that drafts on the device (MTP / EAGLE, a draft model without recurrent state; ngram with
+    ``draft_on_device``, see ``ModelDrafter.can_draft_on_device``): for MTP faster than planning them on the host at
+    every batch size measured (BENCHMARKS.md, session 15). ``asked_on_device``: the user set ``draft_on_device``
+    True, which without async scheduling has no effect (a warning says so)."""
     is_async = async_scheduling if async_scheduling is not None else device_type == "cuda"
-    asked = isinstance(proposer, NgramProposer) or not getattr(proposer, "uses_target_hidden", True)  # by the key
-    if not is_async and asked and getattr(proposer, "can_draft_on_device", False):
+    if not is_async and asked_on_device and getattr(proposer, "can_draft_on_device", False):
         logger.warning("speculative_config.draft_on_device has no effect without async scheduling (async_scheduling="
                        "%s on %s): drafts are made on the host", async_scheduling, device_type)
     return is_async, is_async and getattr(proposer, "can_draft_on_device", False)

@@ -117,7 +117,8 @@ class LLMEngine:
                                     self.num_drafts)
         self.input_processor = InputProcessor(self.tokenizer, self.max_model_len, self.vocab_size,
                                               self.structured_outputs)
-        queue_decodes, queue_verifies = queued_steps(config.async_scheduling, self.device.type, proposer)
+        queue_decodes, queue_verifies = queued_steps(config.async_scheduling, self.device.type, proposer,
+                                                     spec is not None and spec.draft_on_device is True)
         drafter = proposer if queue_verifies else None
         self.overlap = AsyncScheduler(self.scheduler, self.runner, self.seqs, enabled=queue_decodes, drafter=drafter,
                                       num_drafts=self.num_drafts,
