@@ -73,20 +73,25 @@ def heldout_prompts() -> tuple[str, ...]:
 
 @dataclass(frozen=True)
 class Shape:
-    """How the engine batches: max_num_seqs, CUDA graphs or eager, chunked prefill or not."""
+    """How the engine batches: max_num_seqs, CUDA graphs or eager, chunked prefill or not, prefix caching or not
+    (on the hybrid target a prompt's chunks end at its state checkpoints with it; without it a joining prompt is one
+    chunk, which a model drafter drafts behind on the device and which joins a verify queued ahead)."""
 
     max_num_seqs: int
     graphs: bool = True
     chunked: bool = False
+    prefix_caching: bool = True
 
     @property
     def id(self) -> str:
-        return f"{'graphs' if self.graphs else 'eager'}-bs{self.max_num_seqs}{'-chunked' if self.chunked else ''}"
+        return (f"{'graphs' if self.graphs else 'eager'}-bs{self.max_num_seqs}{'-chunked' if self.chunked else ''}"
+                f"{'' if self.prefix_caching else '-noprefix'}")
 
     @property
     def label(self) -> str:
         chunks = f" chunked prefill (max_num_batched_tokens={CHUNK_BUDGET})" if self.chunked else ""
-        return f"{'graphs' if self.graphs else 'eager'} max_num_seqs={self.max_num_seqs}{chunks}"
+        prefix = "" if self.prefix_caching else " no prefix caching"
+        return f"{'graphs' if self.graphs else 'eager'} max_num_seqs={self.max_num_seqs}{chunks}{prefix}"
 
     def prompts(self) -> list[str]:
         """Batch size 1 runs every request alone, one after another (and eagerly ~10 ms a step): 8 prompts."""
@@ -96,10 +101,13 @@ class Shape:
         kwargs: dict[str, object] = {"max_num_seqs": self.max_num_seqs, "enforce_eager": not self.graphs}
         if self.chunked:
             kwargs["max_num_batched_tokens"] = CHUNK_BUDGET
+        if not self.prefix_caching:
+            kwargs["enable_prefix_caching"] = False
         return kwargs
 
 
-SHAPES = [Shape(1), Shape(4), Shape(16), Shape(1, graphs=False), Shape(16, graphs=False)]
+SHAPES = [Shape(1), Shape(4), Shape(4, prefix_caching=False), Shape(16), Shape(1, graphs=False),
+          Shape(16, graphs=False)]
 
 
 @dataclass(frozen=True)
