@@ -41,10 +41,10 @@ CONFIGS = {
     "eagle k=3 ahead": ({"method": "eagle", "num_speculative_tokens": 3, "model": str(DEFAULT_EAGLE_DIR)},
                         {"async_scheduling": True}),
     "draft_model k=3": ({"method": "draft_model", "num_speculative_tokens": 3, "model": str(DEFAULT_DRAFT_MODEL_DIR)},
-                        {"async_scheduling": True}),
-    "draft_model k=3 on device": ({"method": "draft_model", "num_speculative_tokens": 3,
-                                   "model": str(DEFAULT_DRAFT_MODEL_DIR), "draft_on_device": True},
-                                  {"async_scheduling": True}),
+                        {"async_scheduling": True}),  # on the device (the default since session 19)
+    "draft_model k=3 on the host": ({"method": "draft_model", "num_speculative_tokens": 3,
+                                     "model": str(DEFAULT_DRAFT_MODEL_DIR), "draft_on_device": False},
+                                    {"async_scheduling": True}),
 }
 
 
