@@ -112,9 +112,10 @@ class Scheduler:
             return None
         out = SchedulerOutput()
         for seq, start, num_drafts, hold in plans:
-            if self.prefix.is_enabled:  # its step's prompt positions (through ``start``) are known: cache them
+            # its last step's prompt positions (through ``start``) are known: cached now; what it accepts is known on
+            # the device only, so the step's record goes (``progress`` drops it; without prefix caching there is none)
+            if self.prefix.is_enabled:
                 self.prefix.progress(seq, computed=start)
-            self.prefix.forget_step(seq.request_id)  # what it accepts is known on the device only
             ids, block_ids = [PLACEHOLDER] * (1 + num_drafts), kv.allocate(seq.request_id, hold)
             out.scheduled.append(ScheduledRequest(
                 seq.request_id, seq.params, start, 1 + num_drafts, ids, ids[1:], None, block_ids,

@@ -2,9 +2,9 @@
 device (``take_device_drafts``), and store each request's next drafts in its ``Sequence``.
 
 The engine calls exactly one of the two per step: ``take_device_drafts`` when the drafter already drafted behind the
-step on the device (MTP / EAGLE, ngram or a draft model with ``draft_on_device``; async scheduling), ``propose``
-otherwise. Which requests may draft and how many drafts each gets come from the engine's gates (engine/draft_gate.py:
-``may_draft``, ``num_drafts``).
+step on the device (MTP / EAGLE, a draft model without recurrent state, ngram with ``draft_on_device``; async
+scheduling), ``propose`` otherwise. Which requests may draft and how many drafts each gets come from the engine's
+gates (engine/draft_gate.py: ``may_draft``, ``num_drafts``).
 """
 
 from collections.abc import Callable

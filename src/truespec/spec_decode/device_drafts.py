@@ -61,10 +61,10 @@ def draft_by_launches(head: torch.nn.Module, graphs: "GraphRunner", step: "Launc
     rows, argmax, inputs, shift = step.rows, step.argmax, step.inputs, step.shift
     num_tokens, num_reqs, device = len(step.positions), len(rows), argmax.device
     query_start_loc = inputs.ctx.query_start_loc[:num_reqs + 1]
-    # per request: its first query row, its prompt rows (before its logits rows), its first row in ``argmax``
-    starts, prompt_rows, logits_starts = [], [], [0]  # logits_starts: also where the last request's rows end
+    # per request: its first query row (the host's copy of the query starts), its prompt rows (before its logits
+    # rows), its first row in ``argmax``; logits_starts[-1]: the step's logits rows
+    starts, prompt_rows, logits_starts = step.output.query_start_loc[:num_reqs], [], [0]
     for row in rows:
-        starts.append(starts[-1] + rows[len(starts) - 1].query_len if starts else 0)
         prompt_rows.append(row.query_len - row.num_logits)
         logits_starts.append(logits_starts[-1] + row.num_logits)
     has_prompts, num_logits = any(prompt_rows), logits_starts[-1]
@@ -77,30 +77,33 @@ def draft_by_launches(head: torch.nn.Module, graphs: "GraphRunner", step: "Launc
     else:  # a decode / verify step: argmax row t is query row t
         num_accepted, next_token = greedy_accepted(argmax[:num_tokens], inputs.input_ids[:num_tokens],
                                                    query_start_loc, max_drafts)
-    fed_from = torch.cat([inputs.input_ids[:num_tokens], argmax[:num_logits]])  # what a catch-up row may be fed
+
+    def fed(index: list[int]) -> torch.Tensor:
+        """The catch-up's input ids: ``index`` into [the step's input ids | its argmax]."""
+        return torch.cat([inputs.input_ids[:num_tokens], argmax[:num_logits]]).index_select(
+            0, to_device_async(index, device))
+
     offset = int(reads_tokens)  # the first draft's row past the last accepted one
     if reads_tokens:  # rows: the query's, then the position after it; ids: the query's through its first logits row
-        index, first_rows = [], []  # into ``fed_from``; the catch-up row of each request's first logits row
+        index, first_rows = [], []  # the catch-up row of each request's first logits row
         for i, (s, p, ls, row) in enumerate(zip(starts, prompt_rows, logits_starts, rows, strict=False)):
             first_rows.append(s + i + p)
             index += [*range(s, s + p + 1), *range(num_tokens + ls, num_tokens + ls + row.num_logits)]
         catch_up = [ContextRow(row.block_ids, row.start, row.query_len + 1, -1, -1, 0, 0) for row in rows]
         positions = [p for row in rows for p in range(row.start, row.start + row.query_len + 1)]
         out, _ = graphs.run(catch_up, [0] * len(index), positions, decode_only=not has_prompts,
-                            input_ids_from=fed_from.index_select(0, to_device_async(index, device)), shift=shift)
+                            input_ids_from=fed(index), shift=shift)
         first_logits = to_device_async(first_rows, device)
-    elif has_prompts:  # row t: the next prompt token (a prompt row), else its argmax
-        index = [t + 1 if t < s + p else num_tokens + ls + t - s - p
-                 for s, p, ls, row in zip(starts, prompt_rows, logits_starts, rows, strict=False)
-                 for t in range(s, s + row.query_len)]
+    else:  # row t: the next prompt token (a prompt row), else its argmax (every row of a decode / verify step)
+        ids = argmax
+        if has_prompts:
+            ids = fed([t + 1 if t < s + p else num_tokens + ls + t - s - p
+                       for s, p, ls, row in zip(starts, prompt_rows, logits_starts, rows, strict=False)
+                       for t in range(s, s + row.query_len)])
         out, _ = graphs.run(rows, [0] * num_tokens, step.positions, step.output.hidden_states[:num_tokens],
-                            decode_only=False, input_ids_from=fed_from.index_select(0, to_device_async(index, device)),
-                            shift=shift)
-        first_logits = to_device_async([s + p for s, p in zip(starts, prompt_rows, strict=True)], device)
-    else:
-        out, _ = graphs.run(rows, [0] * num_tokens, step.positions, step.output.hidden_states[:num_tokens],
-                            decode_only=True, input_ids_from=argmax, shift=shift)
-        first_logits = query_start_loc[:-1]
+                            decode_only=not has_prompts, input_ids_from=ids, shift=shift)
+        first_logits = query_start_loc[:-1] if not has_prompts else to_device_async(
+            [s + p for s, p in zip(starts, prompt_rows, strict=True)], device)
     hidden = out[first_logits + num_accepted + offset]  # [R, H]: the row the first draft is predicted from
     moved = num_accepted if shift is None else shift + num_accepted
     drafts: list[torch.Tensor] = []
