@@ -25,6 +25,7 @@ if not torch.cuda.is_available():  # the interpreter must be on before truespec.
 
 triton = pytest.importorskip("triton")
 
+import truespec.kernels.prefill_matmul as prefill_mod  # noqa: E402
 import truespec.layers.activation as activation_mod  # noqa: E402
 import truespec.layers.linear as linear_mod  # noqa: E402
 from truespec.kernels import act_mul, linear_ref, row_invariant_matmul  # noqa: E402
@@ -90,12 +91,36 @@ def test_decode_rows_beside_a_prefill_chunk_are_bitwise_the_decode_rows_alone(dt
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_the_tile_paths_give_the_same_bits(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype) -> None:
-    """Few rows (swapped tile, parallel segments) vs many rows (plain large tile, segments added in-program): the
-    thresholds are lowered so that the interpreter reaches the large path on small shapes."""
+    """Few rows (swapped tile, parallel segments) vs many rows (plain large tile, segments added in-program: fp32, or
+    16-bit rows TMA cannot stream, as these K = 1100 ones): the thresholds are lowered so that the interpreter
+    reaches the large path on small shapes."""
     monkeypatch.setattr(rim, "TILES", [(4, (64, 16, 128, 4, 3, True)), (None, (32, 32, 64, 4, 3, False))])
     monkeypatch.setattr(rim, "PARALLEL_MAX_M", 4)
     x, w, b = operands(50, 72, 1100, dtype, bias=True)
     assert_rows_invariant(x, w, b, prefixes=[1, 3, 4, 5, 16, 33], singles=[0, 49])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("act", [None, "silu"])
+def test_the_prefill_path_gives_the_bits_of_the_small_tiles(monkeypatch: pytest.MonkeyPatch, act: str | None,
+                                                           dtype: torch.dtype) -> None:
+    """Long chunks of 16-bit rows take the persistent TMA kernel (kernels/prefill_matmul.py): every row, with bias
+    or a fused act(gate) * up input (act_mul first there), bitwise the rows of the swapped few-row tiles. The
+    thresholds and tile are lowered so that the interpreter reaches it on small shapes; 4 programs walk 9 tiles."""
+    monkeypatch.setattr(rim, "PARALLEL_MAX_M", 4)
+    monkeypatch.setattr(prefill_mod, "TILE", (16, 32, 64, 1, 4))
+    calls = []
+    real = prefill_mod.prefill_matmul
+    monkeypatch.setattr(prefill_mod, "prefill_matmul", lambda *a, **kw: calls.append(a) or real(*a, **kw))
+    k = 1100 - 1100 % 128 + 128  # the TMA path needs K chunks that tile each segment
+    x, w, b = operands(50, 72, 2 * k if act else k, dtype, bias=act is None)
+    w = w[:, :k].contiguous()
+    assert rim.plan(72, k) > 1  # segments added in order, as the other paths add them
+    full = bits(row_invariant_matmul(x, w, b, input_act=act))
+    assert calls, "the prefill kernel did not run"
+    for m in (1, 3, 4):
+        assert torch.equal(bits(row_invariant_matmul(x[:m], w, b, input_act=act)), full[:m]), m
+    assert torch.equal(bits(row_invariant_matmul(x[17:18], w, b, input_act=act)), full[17:18])
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

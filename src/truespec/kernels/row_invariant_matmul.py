@@ -13,7 +13,8 @@ change bf16 tokens at batch size 1. Here a row's result depends only on the weig
   products are "swapped" (weight rows on the MMA's 64-wide side, input rows on its narrow side, so one row
   still uses the tensor cores) and each segment is its own program, its sums written to an fp32 workspace and
   added by ``_sum_segments`` (split-K spreads a narrow weight over every SM: a decode step streams weights).
-  More rows (long prefill chunks): a large plain tile whose program adds its segments itself, in the same order.
+  More rows (long prefill chunks): a large plain tile whose program adds its segments itself, in the same order;
+  16-bit operands that TMA can stream take kernels/prefill_matmul.py instead (the same sums, a persistent grid).
 
 Every tile feeds the tensor cores the same products in the same order, so the paths agree bitwise when the MMA's
 per-element result does not depend on the tile's shape or the chunk width: true on the H100 (benchmarks/
@@ -29,7 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
-from truespec.kernels.act_mul import act_mul_block
+from truespec.kernels import prefill_matmul
+from truespec.kernels.act_mul import act_mul, act_mul_block
 from truespec.kernels.triton_utils import is_interpreter, reduce_sum, tl_compute_dtype
 from truespec.ops.linear import matmul_operands
 
@@ -53,6 +55,12 @@ def _tile(m: int, element_size: int) -> tuple[int, int, int, int, int, bool]:
     while (block_n + block_m) * block_k * element_size * stages > _SHARED_MEMORY and block_k > 16:
         block_k //= 2
     return block_n, block_m, block_k, warps, stages, swap
+
+
+def _prefill_tile() -> tuple[int, int, int, int, int]:
+    """prefill_matmul's tile; in the interpreter its K chunk is SEGMENT_K, the chunk the small tiles sum at once."""
+    block_m, block_n, block_k, stages, warps = prefill_matmul.TILE
+    return block_m, block_n, SEGMENT_K if is_interpreter() else block_k, stages, warps
 
 
 def plan(n: int, k: int) -> int:
@@ -177,6 +185,11 @@ def row_invariant_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
         return y
     split = plan(n, k)
     segment = triton.cdiv(triton.cdiv(k, split), SEGMENT_K) * SEGMENT_K
+    tile = _prefill_tile()
+    if m > PARALLEL_MAX_M and prefill_matmul.can_run(x, weight, segment, tile[2]):
+        if input_act is not None:
+            x = act_mul(*x.chunk(2, dim=-1), input_act)  # the fused input's bits, in a launch of its own
+        return prefill_matmul.prefill_matmul(x, weight, bias, split, segment, tile)
     parallel = m <= PARALLEL_MAX_M and split > 1
     block_n, block_m, block_k, warps, stages, swap = _tile(m, x.element_size())
     ws = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if parallel else y
