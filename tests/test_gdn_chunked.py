@@ -220,6 +220,33 @@ def test_gdn_chunked_sends_exactly_the_flagged_requests_to_the_chunk_kernel(monk
     assert torch.equal(states[0][[0, 8, 12]], states[2][[0, 8, 12]])  # the chunk kernel's final states
 
 
+def test_the_layers_of_a_step_share_one_plan_and_compute_as_without_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step's GDN layers pass one ``plan_cache``: the plan (index tensors, cu_seqlens) is built by the first layer
+    only, the next layers hand fla the very same cu_seqlens objects (fla caches its chunk indices by identity), and
+    every layer's outputs and states are bitwise those of a call without the cache."""
+    seen, built = [], []
+    real_of = chunked_mod.ChunkedPlan.of
+
+    def recording_kernel(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202 - fla's signature
+        seen.append((kwargs["cu_seqlens"], kwargs["cu_seqlens_cpu"]))
+        return reference_chunk_kernel(*args, **kwargs)
+
+    monkeypatch.setattr(chunked_mod, "_chunk_kernel", lambda: recording_kernel)
+    monkeypatch.setattr(chunked_mod.ChunkedPlan, "of", lambda *a: built.append(a) or real_of(*a))
+    rows = mixed_rows(random.Random(5), long=(8, 14), short_max=7)
+    cache: dict = {}
+    for layer in range(3):
+        b = batch(rows, hk=2, hv=4, dk=8, dv=12, dtype=torch.float32, seed=10 + layer)
+        tensors, kwargs = [b[n] for n in ("q", "k", "v", "g", "beta")], {f"{n}_cpu": x for n, x in b["host"].items()}
+        shared, alone = b["state"].clone(), b["state"].clone()
+        out = gdn_chunked(*tensors, shared, **b["meta"], **kwargs, min_chunk_len=8, plan_cache=cache)
+        expected = gdn_chunked(*tensors, alone, **b["meta"], **kwargs, min_chunk_len=8)
+        assert torch.equal(out, expected) and torch.equal(shared, alone), layer
+    assert len(built) == 4  # the shared plan once, and one for each call without the cache
+    with_cache = seen[0::2]
+    assert all(c is with_cache[0][0] and c_cpu is with_cache[0][1] for c, c_cpu in with_cache)
+
+
 def test_the_layer_follows_the_rule_flags_instead_of_the_chunk_length(monkeypatch: pytest.MonkeyPatch) -> None:
     """layers/gdn.py sends a step to gdn_chunked when a request is flagged (any length) and, with flags, never for a
     long unflagged chunk; without flags (no rule) by the length rule; fp32 / fp64 models never."""

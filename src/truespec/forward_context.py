@@ -49,8 +49,8 @@ class ForwardContext:
     gdn_chunked_cpu: list[bool] | None = None
     # every row of this (eager, unpadded) step is a prompt row: the split-KV kernel need not launch at all
     is_prompt_only: bool = False
-    # What the CPU path's layers derive from the metadata once per forward and share (ops/gdn_batched.StepRows,
-    # ops/attention_rows.StepAttentionRows);
+    # What layers derive from the metadata once per forward and share (the CPU path's ops/gdn_batched.StepRows and
+    # ops/attention_rows.StepAttentionRows, an eager GPU prefill's kernels/gdn_chunked.ChunkedPlan);
     # emptied whenever the context is set, since a reused context's tensors may have moved in place.
     host_cache: dict[str, Any] = field(default_factory=dict)
 

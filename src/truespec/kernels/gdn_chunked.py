@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from truespec.kernels.gdn_recurrent import gdn_recurrent
-from truespec.ops.state_slots import StateSlots, gather_states
+from truespec.ops.state_slots import SlotGather, StateSlots
 
 MIN_CHUNK_LEN = 1024  # measured break-even ~800 tokens (bf16) / ~1100 (fp32); never below fla's chunk size, 64
 MAX_HEAD_K_DIM = 256  # fla's state kernel (chunk_gated_delta_rule_fwd_h) asserts head_k_dim <= 256
@@ -99,6 +99,43 @@ def _sub_start_loc(qsl: list[int], reqs: list[int]) -> list[int]:
     return starts
 
 
+@dataclass(frozen=True)
+class ChunkedPlan:
+    """What ``gdn_chunked`` derives from a step's host metadata, as device tensors built once. Every GDN layer of a
+    step has the same metadata, so the layer keeps one plan per step (``plan_cache``): from the second layer on no
+    index is copied from the host (a copy from pageable host memory waits for the GPU's queue: 4 such waits a layer
+    left the host launching an 8K prefill's kernels behind an idle GPU), and fla, which caches its chunk indices by
+    the identity of ``cu_seqlens``, computes them once a step."""
+
+    split: RequestSplit
+    recurrent_rows: slice | torch.Tensor | None  # the token loop's rows and packed metadata (None: no such request)
+    recurrent_meta: list[torch.Tensor] | None
+    chunked_rows: slice | torch.Tensor | None  # the chunk kernel's rows (None: no such request)
+    cu_seqlens: torch.Tensor | None  # [C + 1] on the device, and its host twin
+    cu_seqlens_cpu: torch.Tensor | None
+    initial: SlotGather | None  # the chunked requests' starting states
+    kept: torch.Tensor | None  # [N] indices into the chunk kernel's final states that are kept ...
+    kept_slots: torch.Tensor | None  # ... and the slots that keep them (None: none kept)
+
+    @classmethod
+    def of(cls, slots: StateSlots, split: RequestSplit, device: torch.device) -> "ChunkedPlan":
+        qsl, chunked = slots.query_start_loc, split.chunked
+        if not chunked:
+            return cls(split, *[None] * 8)
+        recurrent = split.recurrent
+        rows = _token_rows(qsl, recurrent, device) if recurrent else None
+        meta = _sub_batch(slots, recurrent, device) if recurrent else None
+        cu_seqlens = torch.tensor(_sub_start_loc(qsl, chunked), dtype=torch.int64)
+        src = SlotGather.of([slots.state_src[r] for r in chunked])
+        initial = SlotGather(*(None if t is None else t.to(device) for t in (src.index, src.is_zero)), src.num_rows)
+        last_slots = [slots.kept_slot(r, slots.query_len(r) - 1) for r in chunked]
+        kept = [i for i, slot in enumerate(last_slots) if slot is not None]
+        kept_t, kept_slots = ((torch.tensor(x, dtype=torch.int64, device=device) for x in
+                               (kept, [last_slots[i] for i in kept])) if kept else (None, None))  # fmt: skip
+        return cls(split, rows, meta, _token_rows(qsl, chunked, device), cu_seqlens.to(device), cu_seqlens, initial,
+                   kept_t, kept_slots)
+
+
 def _sub_batch(slots: StateSlots, reqs: list[int], device: torch.device) -> list[torch.Tensor]:
     """(query_start_loc, state_src, state_dst, state_write_start) of ``reqs`` with their tokens packed."""
     per_request = [[x[r] for r in reqs] for x in (slots.state_src, slots.state_dst, slots.state_write_start)]
@@ -127,43 +164,47 @@ def gdn_chunked(
     state_write_start_cpu: list[int] | None = None,
     min_chunk_len: int = MIN_CHUNK_LEN,
     is_chunked_cpu: list[bool] | None = None,
+    plan_cache: dict | None = None,
 ) -> torch.Tensor:
     """``gdn_recurrent`` given g, beta tensors (same arguments, same effect on ``ssm_state``, o [T, HV, DV])
     with long prefill chunks (or the requests ``is_chunked_cpu`` names) through fla's chunk kernel. The ``*_cpu``
     lists are host copies of the metadata (read back with one sync when omitted). All initial states are read
-    before any slot is written.
+    before any slot is written. ``plan_cache``: a dict that lives for one step (the layers' shared host cache),
+    where the step's ``ChunkedPlan`` is kept for the next layer.
     """
     meta = (query_start_loc, state_src, state_dst, state_write_start)
     if ssm_state.is_cuda and torch.cuda.is_current_stream_capturing():  # host reads cannot be captured
         return gdn_recurrent(q, k, v, g, beta, ssm_state, *meta, scale, use_qk_l2norm)
-    slots = StateSlots(*(t.tolist() if cpu is None else cpu for t, cpu in (
-        (query_start_loc, query_start_loc_cpu), (state_src, state_src_cpu), (state_dst, state_dst_cpu),
-        (state_write_start, state_write_start_cpu))))  # fmt: skip
     kernel = _chunk_kernel()
     usable = kernel is not None and ssm_state.dtype == torch.float32 and q.shape[-1] <= MAX_HEAD_K_DIM
-    qsl = slots.query_start_loc
-    split = split_requests(qsl, slots.state_dst, slots.state_write_start, min_chunk_len if usable else float("inf"),
-                           is_chunked_cpu)
-    if not split.chunked:
+    threshold = min_chunk_len if usable else float("inf")
+    key = f"gdn_chunked_plan_{threshold}"
+    plan = None if plan_cache is None else plan_cache.get(key)
+    if plan is None:
+        slots = StateSlots(*(t.tolist() if cpu is None else cpu for t, cpu in (
+            (query_start_loc, query_start_loc_cpu), (state_src, state_src_cpu), (state_dst, state_dst_cpu),
+            (state_write_start, state_write_start_cpu))))  # fmt: skip
+        split = split_requests(slots.query_start_loc, slots.state_dst, slots.state_write_start, threshold,
+                               is_chunked_cpu)
+        plan = ChunkedPlan.of(slots, split, q.device)
+        if plan_cache is not None:
+            plan_cache[key] = plan
+    if not plan.split.chunked:
         return gdn_recurrent(q, k, v, g, beta, ssm_state, *meta, scale, use_qk_l2norm)
-    initial = gather_states(ssm_state, [slots.state_src[r] for r in split.chunked])  # reads before any write
+    initial = plan.initial(ssm_state)  # reads before any write
     out = torch.zeros(q.shape[0], v.shape[1], v.shape[2], dtype=v.dtype, device=v.device)
-    if split.recurrent:
-        rows, sub_meta = _token_rows(qsl, split.recurrent, q.device), _sub_batch(slots, split.recurrent, q.device)
-        sub_inputs = (x[rows] for x in (q, k, v, g, beta))
-        out[rows] = gdn_recurrent(*sub_inputs, ssm_state, *sub_meta, scale, use_qk_l2norm)
-    rows = _token_rows(qsl, split.chunked, q.device)
-    cu_seqlens = torch.tensor(_sub_start_loc(qsl, split.chunked), dtype=torch.int64)
+    if plan.recurrent_rows is not None:
+        rows = plan.recurrent_rows
+        out[rows] = gdn_recurrent(*(x[rows] for x in (q, k, v, g, beta)), ssm_state, *plan.recurrent_meta, scale,
+                                  use_qk_l2norm)  # fmt: skip
+    rows = plan.chunked_rows
     cdt = ssm_state.dtype  # fla's products in fp32 (TF32) even for bf16 inputs, as gdn_recurrent's math
     o, final = kernel(
         *(x[rows][None].to(cdt) for x in (q, k, v, g, beta)), scale=q.shape[-1] ** -0.5 if scale is None else scale,
         initial_state=initial, output_final_state=True, use_qk_l2norm_in_kernel=use_qk_l2norm,
-        cu_seqlens=cu_seqlens.to(q.device), cu_seqlens_cpu=cu_seqlens,
+        cu_seqlens=plan.cu_seqlens, cu_seqlens_cpu=plan.cu_seqlens_cpu,
     )  # fmt: skip
     out[rows] = o[0].to(out.dtype)
-    # final[i] is request split.chunked[i]'s state after its last token: stored where the protocol keeps it
-    last_slots = [slots.kept_slot(r, slots.query_len(r) - 1) for r in split.chunked]
-    kept = [i for i, slot in enumerate(last_slots) if slot is not None]
-    if kept:
-        ssm_state[[last_slots[i] for i in kept]] = final[kept].to(ssm_state.dtype)
+    if plan.kept is not None:  # final[i]: chunked request i's state after its last token, kept where the protocol says
+        ssm_state[plan.kept_slots] = final[plan.kept].to(ssm_state.dtype)
     return out

@@ -140,7 +140,7 @@ class GatedDeltaNet(nn.Module):
             core = k_ops.gdn_chunked.gdn_chunked(
                 q, k, v, g, beta, self.ssm_state, *meta, query_start_loc_cpu=ctx.query_start_loc_cpu,
                 state_src_cpu=src, state_dst_cpu=dst, state_write_start_cpu=write_start,
-                is_chunked_cpu=ctx.gdn_chunked_cpu,
+                is_chunked_cpu=ctx.gdn_chunked_cpu, plan_cache=ctx.host_cache,
             )  # fmt: skip
         else:  # the gates are computed inside the recurrent kernel (bitwise as gdn_gating): one launch fewer
             gates = k_ops.GateInputs(a, b, self.A_log, self.dt_bias)
