@@ -9,8 +9,8 @@ H100. Here the same sums run in a persistent grid (one program per SM walking th
 (no masks: out-of-range rows read as zeros and are not stored). The products and their order are the small
 tiles' (the bits are checked against them in tests/test_row_invariant_matmul.py on every card the GPU tests run on).
 A gated MLP's down projection takes ``act(gate) * up`` from the act_mul kernel first (the same bits as the fused
-input of the other path): computed inside this loop, the activation kept the tensor cores waiting (H200: the down
-projection at 8,192 rows 371 us fused vs ~166 us in two launches).
+input of the other path): computed inside this loop, the activation kept the tensor cores waiting (H200, 8,192 rows:
+the down projection 371 us fused, 246 us as act_mul + this kernel; BENCHMARKS.md session 20).
 """
 
 import functools
@@ -21,7 +21,7 @@ import triton.language as tl
 
 from truespec.kernels.triton_utils import is_interpreter, reduce_sum
 
-# (rows, weight rows, K chunk, stages, warps): H100 / H200 sweep (benchmarks/batch_invariance_cost.py --sweep)
+# (rows, weight rows, K chunk, stages, warps): H200 sweep (benchmarks/prefill_matmul_speed.py)
 TILE = (128, 128, 64, 4, 8)
 GROUP_M = 8  # row blocks a group of programs walks before the next weight block (L2 reuse of the weight tile)
 
