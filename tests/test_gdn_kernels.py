@@ -160,7 +160,7 @@ def test_gdn_recurrent_takes_exactly_one_source_of_gates() -> None:
 
 
 def check_causal_conv1d(
-    dtype: torch.dtype, rows: list, channels: int, kernel: int, block_c: int, tol_scale: float = 1.0
+    dtype: torch.dtype, rows: list, channels: int, kernel: int, block_c: int, block_t: int = 32, tol_scale: float = 1.0
 ) -> None:
     """Against the reference, and bit for bit against the same kernel fed by torch's index_select gather (the
     gather kernel it replaced). Windows of requests without a source stay unwritten (NaN here): never read."""
@@ -173,12 +173,12 @@ def check_causal_conv1d(
     expected_state, index_select_state = conv_state.clone(), conv_state.clone()
     args = (batch["query_start_loc"], batch["state_src"], batch["state_dst"], batch["state_write_start"])
     with poisoned_empty():
-        out = causal_conv1d(x, weight, conv_state, *args, block_c=block_c)
+        out = causal_conv1d(x, weight, conv_state, *args, block_t=block_t, block_c=block_c)
     assert_near(out, causal_conv1d_ref(x, weight, expected_state, *args), dtype, tol_scale)
     assert torch.equal(conv_state, expected_state)  # windows are copies of inputs: exact
     assert_padding_zero(out)
     with mock.patch.object(causal_conv1d_module, "gather_windows", index_select_gather):
-        assert torch.equal(out, causal_conv1d(x, weight, index_select_state, *args, block_c=block_c))
+        assert torch.equal(out, causal_conv1d(x, weight, index_select_state, *args, block_t=block_t, block_c=block_c))
     assert torch.equal(conv_state, index_select_state)
 
 
@@ -191,6 +191,16 @@ def index_select_gather(conv_state: torch.Tensor, state_src: torch.Tensor) -> to
 @GDN_ROW_SETS
 def test_causal_conv1d_keeps_window_after_each_kept_position(dtype: torch.dtype, rows: list) -> None:
     check_causal_conv1d(dtype, rows, channels=40, kernel=4, block_c=16)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_causal_conv1d_tile_rows_take_their_own_request(dtype: torch.dtype) -> None:
+    """Tiles of 8 rows x 16 channels: the first spans a decode, a 1+3 verify keeping every position and another
+    decode, with empty queries between them; 20- and 19-token prefill chunks (> 2 tiles; fresh, and continuing a
+    window) start and end mid-tile; the last tile holds a fresh prefill, an inert row, padding and rows past T."""
+    rows = [(1, 5, 1, 0), (0, 9, 8, -1), (0, -1, -1, 0), (4, 3, 4, 0), (1, 12, 12, 0), (0, -1, -1, 0)]
+    rows += [(20, -1, 13, 19), (3, 16, 14, 0), (19, 18, 17, 18), (2, -1, 20, 1), (1, 22, -1, 0)]
+    check_causal_conv1d(dtype, rows, channels=40, kernel=4, block_c=16, block_t=8)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -3,7 +3,14 @@
 The window is the last K-1 conv *inputs* (model dtype). Request r continues the window in slot
 ``state_src[r]`` (-1: zeros) and, after each query token t >= state_write_start[r], stores the K-1
 inputs ending at t into slot ``state_dst[r] + t - state_write_start[r]`` (docs/ARCHITECTURE.md
-invariant 2; state_dst -1 = inert). One program per (token, channel block), so prefill chunks run fully parallel.
+invariant 2; state_dst -1 = inert).
+One program computes a tile of BLOCK_T consecutive packed rows x BLOCK_C channels, which may span several requests:
+it finds each row's request by a vectorised binary search over query_start_loc, loads the K shifted input tiles
+(rows before a request's start from its starting window) and sums them per element in the same order as a
+program per row would, so tiling changes no bit. Kept rows store their window from the inputs already loaded,
+other rows load nothing more; padding rows (past query_start_loc[R]) load nothing and output zeros. The grid
+depends on T and C only, so the kernel replays inside CUDA graphs. The tile only changes speed, never a bit: steps of
+up to SMALL_STEP_TOKENS rows keep one row a program (BLOCK_T 1, the decode launch tuned before), longer ones 32 rows.
 Because a source slot may lie in the request's own destination group (a verify keeping a window per
 position), the starting windows are first copied into a separate buffer [R, C, K-1] by one small gather
 kernel: the conv kernel runs after it on the stream, so every read of a source slot precedes every write.
@@ -15,15 +22,39 @@ import torch
 import triton
 import triton.language as tl
 
-from truespec.kernels.triton_utils import find_request, tl_compute_dtype
+from truespec.kernels.triton_utils import tl_compute_dtype
+
+SMALL_STEP_TOKENS = 256  # up to this many rows (decode / verify steps, graph sizes) one row a program; tiles above
 
 
 @triton.jit
-def _conv_input(x_ptr, init_ptr, start, p, has_init, c, c_mask, stride_x_tok, K: tl.constexpr):
-    """Conv input at query offset ``p`` of a request (p < 0: column K-1+p of its starting window)."""
-    from_x = tl.load(x_ptr + (start + p) * stride_x_tok + c, mask=c_mask & (p >= 0), other=0.0)
-    from_window = tl.load(init_ptr + c * (K - 1) + (K - 1 + p), mask=c_mask & (p < 0) & has_init, other=0.0)
-    return tl.where(p >= 0, from_x, from_window.to(from_x.dtype))
+def _find_requests(query_start_loc_ptr, num_reqs, tokens):
+    """[BLOCK_T] request of each packed token: the largest r < num_reqs with qsl[r] <= token, so requests with an
+    empty query are skipped (as ``find_request``). Binary lifting: r climbs by each power of two below num_reqs,
+    largest first, while qsl stays <= token (qsl is nondecreasing); log2(R) gathers of BLOCK_T entries."""
+    r = tokens * 0
+    step = tl.full([], 1, tl.int32)  # a tensor, not a constexpr: loop-carried
+    while step * 2 < num_reqs:
+        step = step * 2
+    while step > 0:
+        up = r + step
+        is_in_range = up < num_reqs
+        is_at_or_before = is_in_range & (tl.load(query_start_loc_ptr + up, mask=is_in_range, other=0) <= tokens)
+        r = tl.where(is_at_or_before, up, r)
+        step = step // 2
+    return r
+
+
+@triton.jit
+def _conv_inputs(x_ptr, init_rows, start, p, has_init, c, mask, stride_x_tok, K: tl.constexpr):
+    """Conv inputs [BLOCK_T, BLOCK_C] at query offset ``p`` [BLOCK_T] of each row's request (p < 0: column K-1+p
+    of its starting window, whose [C, K-1] block begins at ``init_rows``)."""
+    is_x = (p >= 0)[:, None]
+    x_rows = (start + p).to(tl.int64) * stride_x_tok
+    from_x = tl.load(x_ptr + x_rows[:, None] + c[None, :], mask=mask & is_x, other=0.0)
+    window_ptr = init_rows[:, None] + (c * (K - 1))[None, :] + (K - 1 + p)[:, None]
+    from_window = tl.load(window_ptr, mask=mask & ((p < 0) & has_init)[:, None], other=0.0)
+    return tl.where(is_x, from_x, from_window.to(from_x.dtype))
 
 
 @triton.jit
@@ -59,7 +90,7 @@ def gather_windows(conv_state: torch.Tensor, state_src: torch.Tensor, block: int
     return init
 
 
-@triton.jit(do_not_specialize=["num_reqs"])
+@triton.jit(do_not_specialize=["num_tokens", "num_reqs"])
 def _causal_conv1d_kernel(
     out_ptr,  # [T, C]
     x_ptr,  # [T, C]
@@ -70,45 +101,50 @@ def _causal_conv1d_kernel(
     state_src_ptr,  # [R]
     state_dst_ptr,  # [R]
     state_write_start_ptr,  # [R]
+    num_tokens,
     num_reqs,
     stride_x_tok,
     stride_o_tok,
     stride_cs_slot,
     stride_cs_c,
     C: tl.constexpr,
+    BLOCK_T: tl.constexpr,
     BLOCK_C: tl.constexpr,
     K: tl.constexpr,
     APPLY_SILU: tl.constexpr,
     ACC_DTYPE: tl.constexpr,
 ):
-    token = tl.program_id(0)
+    tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BLOCK_T] packed rows, of any requests
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     c_mask = c < C
-    r = find_request(query_start_loc_ptr, num_reqs, token)
+    r = _find_requests(query_start_loc_ptr, num_reqs, tokens)
     start = tl.load(query_start_loc_ptr + r)
-    is_valid = token < tl.load(query_start_loc_ptr + num_reqs)  # rows past the last request are padding
-    offset = token - start
+    is_valid = tokens < tl.load(query_start_loc_ptr + num_reqs)  # rows past the last request are padding
+    offset = tokens - start
     has_init = tl.load(state_src_ptr + r) >= 0
-    init_ptr += r * C * (K - 1)
-
-    acc = tl.full([BLOCK_C], 0, ACC_DTYPE)
-    for j in tl.static_range(K):
-        w = tl.load(weight_ptr + c * K + j, mask=c_mask, other=0.0).to(ACC_DTYPE)
-        x = _conv_input(x_ptr, init_ptr, start, offset - (K - 1) + j, has_init, c, c_mask, stride_x_tok, K)
-        acc += w * x.to(ACC_DTYPE)
-    y = acc.to(out_ptr.dtype.element_ty).to(ACC_DTYPE)  # the conv output rounds to the model dtype first
-    if APPLY_SILU:
-        y = y / (1.0 + tl.exp(-y))
-    y = tl.where(is_valid, y, 0.0)
-    tl.store(out_ptr + token * stride_o_tok + c, y.to(out_ptr.dtype.element_ty), mask=c_mask)
+    init_rows = init_ptr + r * (C * (K - 1))
+    mask = is_valid[:, None] & c_mask[None, :]  # padding rows load nothing
 
     dst = tl.load(state_dst_ptr + r).to(tl.int64)
     write_start = tl.load(state_write_start_ptr + r)
     is_kept = is_valid & (dst >= 0) & (offset >= write_start)
-    window_ptr = conv_state_ptr + (dst + offset - write_start) * stride_cs_slot + c * stride_cs_c
-    for j in tl.static_range(K - 1):  # the K-1 inputs ending at this token
-        x = _conv_input(x_ptr, init_ptr, start, offset - (K - 2) + j, has_init, c, c_mask, stride_x_tok, K)
-        tl.store(window_ptr + j, x.to(conv_state_ptr.dtype.element_ty), mask=c_mask & is_kept)
+    window_ptr = conv_state_ptr + ((dst + offset - write_start) * stride_cs_slot)[:, None] + (c * stride_cs_c)[None, :]
+    keep_mask = is_kept[:, None] & c_mask[None, :]
+
+    acc = tl.full([BLOCK_T, BLOCK_C], 0, ACC_DTYPE)
+    for j in tl.static_range(K):
+        w = tl.load(weight_ptr + c * K + j, mask=c_mask, other=0.0).to(ACC_DTYPE)
+        x = _conv_inputs(x_ptr, init_rows, start, offset - (K - 1) + j, has_init, c, mask, stride_x_tok, K)
+        acc += w[None, :] * x.to(ACC_DTYPE)
+        if j > 0:  # inputs 1..K-1 are the window ending at the row: kept rows store them, from these registers
+            tl.store(window_ptr + (j - 1), x.to(conv_state_ptr.dtype.element_ty), mask=keep_mask)
+    y = acc.to(out_ptr.dtype.element_ty).to(ACC_DTYPE)  # the conv output rounds to the model dtype first
+    if APPLY_SILU:
+        y = y / (1.0 + tl.exp(-y))
+    y = tl.where(is_valid[:, None], y, 0.0)
+    out_rows = tokens.to(tl.int64) * stride_o_tok
+    out_mask = (tokens < num_tokens)[:, None] & c_mask[None, :]
+    tl.store(out_ptr + out_rows[:, None] + c[None, :], y.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
 def causal_conv1d(
@@ -120,7 +156,8 @@ def causal_conv1d(
     state_dst: torch.Tensor,
     state_write_start: torch.Tensor,
     activation: str | None = "silu",
-    block_c: int = 256,
+    block_t: int | None = None,
+    block_c: int | None = None,
     num_warps: int = 4,
 ) -> torch.Tensor:
     """Conv + activation of x [T, C] with weight [C, K] (or nn.Conv1d's [C, 1, K]); updates ``conv_state``
@@ -138,12 +175,15 @@ def causal_conv1d(
     if num_reqs == 0:
         return out.zero_()
     init = gather_windows(conv_state, state_src)  # [R, C, K-1]: every read before the kernel's writes
-    grid = (num_tokens, triton.cdiv(channels, block_c))
+    if block_t is None:  # decode / verify steps keep the row-per-program launch measured fastest for them
+        block_t = 1 if num_tokens <= SMALL_STEP_TOKENS else 32
+    if block_c is None:
+        block_c = 256 if block_t == 1 else 128
+    grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(channels, block_c))
     _causal_conv1d_kernel[grid](
-        out, x, weight, init, conv_state, query_start_loc, state_src, state_dst, state_write_start, num_reqs,
-        x.stride(0), out.stride(0), conv_state.stride(0), conv_state.stride(1),
-        C=channels, BLOCK_C=block_c, K=kernel, APPLY_SILU=activation is not None,
+        out, x, weight, init, conv_state, query_start_loc, state_src, state_dst, state_write_start, num_tokens,
+        num_reqs, x.stride(0), out.stride(0), conv_state.stride(0), conv_state.stride(1),
+        C=channels, BLOCK_T=block_t, BLOCK_C=block_c, K=kernel, APPLY_SILU=activation is not None,
         ACC_DTYPE=tl_compute_dtype(x.dtype), num_warps=num_warps,
     )  # fmt: skip
     return out
-
