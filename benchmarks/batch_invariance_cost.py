@@ -83,12 +83,10 @@ def check_bits(weights: dict, xs: dict, dtype: torch.dtype) -> list[str]:
 
 
 CANDIDATES = {  # row-count class -> (rows timed, tiles tried): (weight rows, input rows, K chunk, warps, stages,
-    # swapped: weight rows on the MMA's M side)
+    # swapped: weight rows on the MMA's M side). Past 512 rows bf16 takes kernels/prefill_matmul.py, whose tiles
+    # benchmarks/prefill_matmul_speed.py sweeps.
     128: ([96, 128], [(64, 128, 128, 8, 3, True), (32, 128, 128, 4, 3, True), (64, 128, 128, 4, 3, True),
                       (128, 128, 64, 8, 3, False), (128, 64, 64, 4, 3, False)]),
-    None: ([512, 2048, 8192], [(128, 128, 64, 8, 3, True), (128, 128, 64, 8, 3, False), (256, 128, 64, 8, 3, False),
-                               (256, 128, 64, 8, 4, False), (128, 128, 64, 4, 4, False), (128, 256, 64, 8, 3, False),
-                               (256, 64, 64, 4, 4, False), (128, 128, 128, 8, 3, False)]),
 }
 
 

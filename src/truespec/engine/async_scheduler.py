@@ -36,7 +36,7 @@ import torch
 from truespec.core.scheduler import Scheduler
 from truespec.core.scheduler_output import SchedulerOutput
 from truespec.core.sequence import PLACEHOLDER, Sequence
-from truespec.engine.verify_plan import plan_verify
+from truespec.engine.verify_plan import going_on, plan_verify
 from truespec.spec_decode.interface import DeviceDrafter
 from truespec.worker.model_runner import LaunchedStep, ModelRunner
 
@@ -136,10 +136,10 @@ class AsyncScheduler:
         sched = self.scheduler
         if sched.waiting and len(sched.running) < sched.max_num_seqs:
             return None  # the next step may admit a waiting request: its prompt goes in a step planned on the host
-        if any(r.params.structured_outputs is not None for r in launched.sched.scheduled):
+        found = going_on(launched, self.seqs, sched.running)  # every request of ``launched``, none left out
+        if found is None or len(found[0]) != len(launched.sched.scheduled):
             return None
-        seqs = [self.seqs.get(r.request_id) for r in launched.sched.scheduled]
-        return seqs if seqs == sched.running and len(seqs) <= sched.max_num_batched_tokens else None
+        return found[1] if len(found[1]) <= sched.max_num_batched_tokens else None
 
     # ---- verifies -----------------------------------------------------------------------------------
     def _drafts_on_device(self, sched: SchedulerOutput, is_ahead: bool) -> bool:

@@ -22,27 +22,9 @@ import torch
 import triton
 import triton.language as tl
 
-from truespec.kernels.triton_utils import tl_compute_dtype
+from truespec.kernels.triton_utils import find_requests, tl_compute_dtype
 
 SMALL_STEP_TOKENS = 256  # up to this many rows (decode / verify steps, graph sizes) one row a program; tiles above
-
-
-@triton.jit
-def _find_requests(query_start_loc_ptr, num_reqs, tokens):
-    """[BLOCK_T] request of each packed token: the largest r < num_reqs with qsl[r] <= token, so requests with an
-    empty query are skipped (as ``find_request``). Binary lifting: r climbs by each power of two below num_reqs,
-    largest first, while qsl stays <= token (qsl is nondecreasing); log2(R) gathers of BLOCK_T entries."""
-    r = tokens * 0
-    step = tl.full([], 1, tl.int32)  # a tensor, not a constexpr: loop-carried
-    while step * 2 < num_reqs:
-        step = step * 2
-    while step > 0:
-        up = r + step
-        is_in_range = up < num_reqs
-        is_at_or_before = is_in_range & (tl.load(query_start_loc_ptr + up, mask=is_in_range, other=0) <= tokens)
-        r = tl.where(is_at_or_before, up, r)
-        step = step // 2
-    return r
 
 
 @triton.jit
@@ -117,7 +99,7 @@ def _causal_conv1d_kernel(
     tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BLOCK_T] packed rows, of any requests
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     c_mask = c < C
-    r = _find_requests(query_start_loc_ptr, num_reqs, tokens)
+    r = find_requests(query_start_loc_ptr, num_reqs, tokens)
     start = tl.load(query_start_loc_ptr + r)
     is_valid = tokens < tl.load(query_start_loc_ptr + num_reqs)  # rows past the last request are padding
     offset = tokens - start

@@ -185,11 +185,12 @@ def row_invariant_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
         return y
     split = plan(n, k)
     segment = triton.cdiv(triton.cdiv(k, split), SEGMENT_K) * SEGMENT_K
-    tile = _prefill_tile()
-    if m > PARALLEL_MAX_M and prefill_matmul.can_run(x, weight, segment, tile[2]):
-        if input_act is not None:
-            x = act_mul(*x.chunk(2, dim=-1), input_act)  # the fused input's bits, in a launch of its own
-        return prefill_matmul.prefill_matmul(x, weight, bias, split, segment, tile)
+    if m > PARALLEL_MAX_M:
+        tile = _prefill_tile()
+        if prefill_matmul.can_run(x, weight, segment, tile[2]):
+            if input_act is not None:
+                x = act_mul(*x.chunk(2, dim=-1), input_act)  # the fused input's bits, in a launch of its own
+            return prefill_matmul.prefill_matmul(x, weight, bias, split, segment, tile)
     parallel = m <= PARALLEL_MAX_M and split > 1
     block_n, block_m, block_k, warps, stages, swap = _tile(m, x.element_size())
     ws = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if parallel else y

@@ -79,6 +79,24 @@ def find_request(query_start_loc_ptr, num_reqs, token):
     return lo
 
 
+@triton.jit
+def find_requests(query_start_loc_ptr, num_reqs, tokens):
+    """``find_request`` for a vector of packed tokens: [BLOCK_T], the largest r < num_reqs with qsl[r] <= token
+    (requests with an empty query skipped). Binary lifting: r climbs by each power of two below num_reqs, largest
+    first, while qsl stays <= token (qsl is nondecreasing); log2(R) gathers of BLOCK_T entries."""
+    r = tokens * 0
+    step = tl.full([], 1, tl.int32)  # a tensor, not a constexpr: loop-carried
+    while step * 2 < num_reqs:
+        step = step * 2
+    while step > 0:
+        up = r + step
+        is_in_range = up < num_reqs
+        is_at_or_before = is_in_range & (tl.load(query_start_loc_ptr + up, mask=is_in_range, other=0) <= tokens)
+        r = tl.where(is_at_or_before, up, r)
+        step = step // 2
+    return r
+
+
 def _fix_interpreter_scalar_index() -> None:
     """Triton 3.6's interpreter turns a scalar into an int with ``int(array_of_shape_1)``, which numpy
     >= 2.4 rejects, so ``range(start, end)`` with runtime bounds fails in every interpreted kernel.
