@@ -20,9 +20,11 @@ Which rows: request r's first ``num_rows[r]`` query rows (``prefill_attention``'
 None). In the engine those are its prompt rows, positions < its prompt length, and the split-KV kernel computes the
 others into the same output (kernels/step_attention.py, docs/ARCHITECTURE.md "Attention rows").
 
-Programs: ``cdiv(T, BLOCK_M) + min(R, T)`` (each request with rows adds at most one partial tile) x kv heads, from
-the shapes of q and seq_lens only; program t finds its request by binary search over the per-request tile offsets
-(cumulative ``cdiv(num_rows[r], BLOCK_M)``, computed on the device, no host read), programs past the last tile exit.
+Programs: kv heads x ``cdiv(T, BLOCK_M) + min(R, T)`` (each request with rows adds at most one partial tile), from
+the shapes of q and seq_lens only; the program for tile t finds its request by binary search over the per-request
+tile offsets (cumulative ``cdiv(num_rows[r], BLOCK_M)``, computed on the device, no host read), programs past the
+last tile exit. Tiles launch last first, the kv heads of a tile together: a request's later tiles walk more keys,
+and started first they leave the short ones to fill the GPU's last wave.
 Padding rows (past ``query_start_loc[-1]``) are never written. So it runs eagerly and inside CUDA graphs alike: a
 graph captured at T = S tokens and R = S requests serves every step padded to S (worker/graph_runner.py captures it
 only into the graphs of steps with prompt rows).
@@ -103,8 +105,8 @@ def _prefill_attention_kernel(
     VALUE_CODE_BYTES: tl.constexpr,
     FP16_ALIGNED: tl.constexpr,
 ):
-    tile = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    kv_head = tl.program_id(0)
+    tile = tl.num_programs(1) - 1 - tl.program_id(1)  # the last (longest) tiles of each request launch first
     if tile >= tl.load(tile_offsets_ptr + num_reqs):
         return
     r = find_request(tile_offsets_ptr, num_reqs, tile)
@@ -196,7 +198,7 @@ def prefill_rows(q: torch.Tensor, tiles: CacheTiles, query_start_loc: torch.Tens
     tiles_per_req = torch.div(num_rows + block_m - 1, block_m, rounding_mode="floor")
     tile_offsets = torch.cat([torch.zeros_like(tiles_per_req[:1]), torch.cumsum(tiles_per_req, 0)])
     # sum_r cdiv(num_rows[r], M) <= cdiv(T, M) + (requests with rows, at most min(R, T)): from shapes alone
-    grid = (triton.cdiv(num_tokens, block_m) + min(num_reqs, num_tokens), tiles.num_kv_heads)
+    grid = (tiles.num_kv_heads, triton.cdiv(num_tokens, block_m) + min(num_reqs, num_tokens))
     _launch(grid, out, q, tiles, query_start_loc, seq_lens, block_tables, num_rows, tile_offsets, scale, group,
             block_m, block_n, num_warps, num_stages)  # fmt: skip
     return out
