@@ -12,6 +12,7 @@ conv window and recurrent state after each query token t >= state_write_start[r]
 import torch
 from torch import nn
 
+from truespec.cpu_kernels import gdn as cpu_gdn
 from truespec.forward_context import ForwardContext, get_forward_context
 from truespec.layers.backend import kernels, use_kernels
 from truespec.layers.linear import Linear, MergedLinear, use_checkpoint_names
@@ -109,8 +110,15 @@ class GatedDeltaNet(nn.Module):
         ctx = get_forward_context()
         if use_kernels(x):
             return self._forward_kernels(x, ctx)
-        slots, rows = self._step_rows(ctx)
         mixed_qkv, z, b, a = self.in_proj.split(self.in_proj(x))  # [T, conv_dim], [T, value_dim], [T, HV] x 2
+        if self.hidden_act == "silu" and cpu_gdn.can_run(x, self.conv_state, self.ssm_state):
+            core = cpu_gdn.gdn_core(
+                mixed_qkv, z, a, b, self.conv1d.weight, self.A_log, self.dt_bias, self.norm.weight, self.norm.eps,
+                self.conv_state, self.ssm_state, ctx.query_start_loc, ctx.state_src, ctx.state_dst,
+                ctx.state_write_start, (self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim),
+            )  # fmt: skip
+            return self.out_proj(core)
+        slots, rows = self._step_rows(ctx)
         g, beta = gdn_gating_ref(a, b, self.A_log, self.dt_bias)  # [T, HV] each, compute dtype
         conv_out = causal_conv1d_batched(mixed_qkv, self.conv1d.weight, self.conv_state, slots, rows, self.hidden_act)
         core = gdn_recurrent_batched(*self._split_heads(conv_out), g, beta, self.ssm_state, rows)
