@@ -1,14 +1,15 @@
-"""Builds and loads the C kernels of this package: built with the machine's C compiler on first use, loaded with
-ctypes.
+"""Builds and loads this package's C kernels (every ``*.c`` beside this file, one shared library): with the machine's
+C compiler on first use, loaded with ctypes.
 
-In torch, one GDN layer of a decode step is ~150 small ops (conv taps, norms, gates, the delta rule's passes), each
-a few microseconds of dispatch for a few hundred floats of work: on a small model that dispatch, not arithmetic, is
-the CPU step. gdn_core.c computes the same layer core in one call (ops/gdn.py and ops/conv.py give its formulas).
+In torch, one layer of a decode step is a hundred or more small ops, each a few microseconds of dispatch for a few
+hundred numbers of work: on a small model that dispatch, not arithmetic, is the CPU step. Each C kernel here computes
+what a run of those ops computes, in one call (gdn_core.c: a GDN layer's core; attention_core.c: the attention of a
+step's short queries).
 
-Built once per source, compiler and CPU: ``$CC`` (else ``cc``) with -O3 -march=native -ffp-contract=off into
-``$TRUESPEC_CACHE_DIR`` (else ``~/.cache/truespec``); ~0.5 s, then reused. No compiler, a failed build, or
-``TRUESPEC_NATIVE=0``: ``load()`` returns None and the layers keep their torch ops (a warning says why once). Only
-float32 / float64 models take it (the CPU dtypes; a 16-bit model on the CPU keeps torch's casts).
+Built once per sources, compiler and CPU: ``$CC`` (else ``cc``) with -O3 -march=native -ffp-contract=off into
+``$TRUESPEC_CACHE_DIR`` (else ``~/.cache/truespec``); ~1 s, then reused. No compiler, a failed build, or
+``TRUESPEC_NATIVE=0``: ``function()`` returns None and the layers keep their torch ops (a warning says why once).
+Only float32 / float64 models take them (the CPU dtypes; a 16-bit model on the CPU keeps torch's casts).
 """
 
 import ctypes
@@ -23,9 +24,9 @@ from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).resolve().parent / "gdn_core.c"
+SOURCES = sorted(Path(__file__).resolve().parent.glob("*.c"))
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fPIC", "-shared")
-_POINTER, _INT = ctypes.c_void_p, ctypes.c_int64
+POINTER, INT = ctypes.c_void_p, ctypes.c_int64
 SCALARS = {torch.float32: ("f32", ctypes.c_float), torch.float64: ("f64", ctypes.c_double)}
 
 
@@ -42,15 +43,16 @@ def _cpu_id() -> str:
 
 def _build(compiler: str) -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), version, _cpu_id(), *FLAGS]).encode()).hexdigest()[:16]
+    texts = [source.read_text() for source in SOURCES]
+    key = hashlib.sha256("\0".join([*texts, version, _cpu_id(), *FLAGS]).encode()).hexdigest()[:16]
     cache = Path(os.environ.get("TRUESPEC_CACHE_DIR") or Path.home() / ".cache" / "truespec")
-    target = cache / f"{SOURCE.stem}-{key}.so"
+    target = cache / f"cpu_kernels-{key}.so"
     if not target.exists():
         cache.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=cache) as tmp:  # built aside, renamed into place: processes may race
             built = Path(tmp) / target.name
-            subprocess.run([compiler, *FLAGS, "-o", str(built), str(SOURCE), "-lm"], capture_output=True, text=True,
-                           check=True)  # fmt: skip
+            subprocess.run([compiler, *FLAGS, "-o", str(built), *map(str, SOURCES), "-lm"], capture_output=True,
+                           text=True, check=True)  # fmt: skip
             built.replace(target)
     return target
 
@@ -70,9 +72,16 @@ def load() -> ctypes.CDLL | None:
         warnings.warn(f"truespec: the CPU kernels (cpu_kernels/) are not built ({detail}); the CPU path uses torch ops",
                       RuntimeWarning, stacklevel=2)  # fmt: skip
         return None
-    for suffix, scalar in SCALARS.values():
-        fn = getattr(lib, f"gdn_core_{suffix}")
-        fn.argtypes = [_POINTER, _INT, _POINTER, _INT, _POINTER, _POINTER, _INT, *[_POINTER] * 4, _POINTER, _INT,
-                       _POINTER, _INT, *[_POINTER] * 4, *[_INT] * 6, scalar, scalar, scalar, _POINTER]  # fmt: skip
-        fn.restype = ctypes.c_int
     return lib
+
+
+def function(name: str, argtypes: list) -> ctypes._CFuncPtr | None:
+    """The library's function ``name`` with its argument types set (int return: 0 on success), or None where the
+    library is not built."""
+    lib = load()
+    if lib is None:
+        return None
+    fn = getattr(lib, name)  # the CDLL keeps this object: its types are set once
+    if fn.argtypes != argtypes:
+        fn.argtypes, fn.restype = argtypes, ctypes.c_int
+    return fn

@@ -39,11 +39,13 @@ def gdn_core(mixed_qkv: torch.Tensor, z: torch.Tensor, a: torch.Tensor, b: torch
     out = torch.zeros(num_tokens, num_v * dv, dtype=mixed_qkv.dtype)
     meta = [_flat(t) for t in (query_start_loc, state_src, state_dst, state_write_start)]
     params = [t.detach().contiguous() for t in (conv_weight.reshape(channels, kernel), A_log, dt_bias, norm_weight)]
-    status = getattr(build.load(), f"gdn_core_{suffix}")(
+    p, i = build.POINTER, build.INT
+    argtypes = [p, i, p, i, p, p, i, p, p, p, p, p, i, p, i, p, p, p, p, i, i, i, i, i, i, scalar, scalar, scalar, p]
+    status = build.function(f"gdn_core_{suffix}", argtypes)(
         mixed_qkv.data_ptr(), mixed_qkv.stride(0), z.data_ptr(), z.stride(0), a.data_ptr(), b.data_ptr(), a.stride(0),
-        *(p.data_ptr() for p in params), conv_state.data_ptr(), conv_state.stride(0), ssm_state.data_ptr(),
+        *(t.data_ptr() for t in params), conv_state.data_ptr(), conv_state.stride(0), ssm_state.data_ptr(),
         ssm_state.stride(0), *(m.data_ptr() for m in meta), meta[1].shape[0], num_k, num_v, dk, dv, kernel,
-        scalar(dk**-0.5), scalar(norm_eps), scalar(L2NORM_EPS), out.data_ptr(),
+        dk**-0.5, norm_eps, L2NORM_EPS, out.data_ptr(),
     )  # fmt: skip
     if status:
         raise MemoryError("gdn_core: the CPU kernel could not allocate its scratch buffers")

@@ -13,7 +13,8 @@ import functools
 import torch
 from torch import nn
 
-from truespec.forward_context import get_forward_context
+from truespec.cpu_kernels import attention as cpu_attention
+from truespec.forward_context import ForwardContext, get_forward_context
 from truespec.layers.backend import kernels, use_kernels
 from truespec.ops.attention import (
     SlotDecoder,
@@ -22,8 +23,8 @@ from truespec.ops.attention import (
     reshape_and_cache_ref,
     store_packed_ref,
 )
-from truespec.ops.attention_batched import paged_attention_batched
-from truespec.ops.attention_rows import StepAttentionRows
+from truespec.ops.attention_batched import attend_long_chunks, paged_attention_batched
+from truespec.ops.attention_rows import MAX_BATCHED_QUERY_LEN, StepAttentionRows
 
 
 class PagedAttention(nn.Module):
@@ -88,11 +89,23 @@ class PagedAttention(nn.Module):
         if self.sparse_v is not None:
             return paged_attention_ref(q, self.kv_cache, *meta, self.scale, decode=decode, sparse_v=self.sparse_v)
         ctx = get_forward_context()
+        if decode is None and cpu_attention.can_run(q, self.kv_cache):  # short queries in one compiled call
+            out = cpu_attention.attention_rows(q, self.kv_cache, *meta, self.scale, torch.zeros_like(q))
+            qsl = ctx.query_start_loc_cpu or meta[0].tolist()
+            if max(b - a for a, b in zip(qsl, qsl[1:], strict=False)) <= MAX_BATCHED_QUERY_LEN:
+                return out
+            return attend_long_chunks(q, self.kv_cache, self._step_rows(ctx, meta), self.scale, out)
+        return paged_attention_batched(q, self.kv_cache, *meta, self.scale, decode=decode,
+                                       rows=self._step_rows(ctx, meta))  # fmt: skip
+
+    def _step_rows(self, ctx: ForwardContext, meta: tuple[torch.Tensor, ...]) -> StepAttentionRows:
+        """The step's ``StepAttentionRows`` for this layer's cache and heads: built by the first layer that needs them,
+        shared by the others (ForwardContext.host_cache)."""
         shape = (self.kv_cache.shape[-3], self.num_kv_heads, self.num_heads // self.num_kv_heads)
         key = f"attention_rows_{shape}"
-        if key not in ctx.host_cache:  # one per step (and block size and heads), shared by the layers
+        if key not in ctx.host_cache:
             ctx.host_cache[key] = StepAttentionRows.of(*meta, *shape)
-        return paged_attention_batched(q, self.kv_cache, *meta, self.scale, decode=decode, rows=ctx.host_cache[key])
+        return ctx.host_cache[key]
 
     def extra_repr(self) -> str:
         return f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}"

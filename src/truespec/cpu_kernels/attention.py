@@ -1,0 +1,39 @@
+"""The attention of a step's short queries (decodes, verifies, chunks of up to ``MAX_BATCHED_QUERY_LEN`` tokens) over
+a model-dtype paged cache in one compiled call: the CPU path of layers/attention.py where build.py could build
+attention_core.c. Longer prefill chunks keep ops/attention_batched.py's tiled products (BLAS is faster there, and no
+decode or verify row is among them)."""
+
+import torch
+
+from truespec.cpu_kernels import build
+from truespec.ops.attention_rows import MAX_BATCHED_QUERY_LEN
+
+
+def can_run(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+    """Whether ``attention_rows`` takes this step: a float32 / float64 model on the CPU over a contiguous cache of its
+    dtype ([2, blocks, block_size, kv heads, D]), and the library built."""
+    return q.device.type == "cpu" and q.dtype in build.SCALARS and kv_cache.dtype == q.dtype \
+        and kv_cache.dim() == 5 and kv_cache.is_contiguous() and build.load() is not None
+
+
+def attention_rows(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                   block_tables: torch.Tensor, scale: float, out: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    """Writes into ``out`` [T, H, D] the rows of every request with 1 .. MAX_BATCHED_QUERY_LEN query tokens
+    (``paged_attention_ref``'s values for them); other rows are left as they are. Check ``can_run`` first."""
+    num_heads, head_dim = q.shape[1:]
+    _, _, block_size, num_kv_heads, _ = kv_cache.shape
+    if num_heads % num_kv_heads or kv_cache.shape[-1] != head_dim or q.stride(-1) != 1 or out.stride(-1) != 1:
+        raise ValueError(f"q {tuple(q.shape)} and kv_cache {tuple(kv_cache.shape)} do not fit (unit last strides)")
+    suffix, scalar = build.SCALARS[q.dtype]
+    meta = [t if t.dtype == torch.int64 and t.stride(-1) == 1 else t.to(torch.int64).contiguous()
+            for t in (block_tables, query_start_loc, seq_lens)]  # fmt: skip
+    p, i = build.POINTER, build.INT
+    argtypes = [p, i, i, p, p, p, i, p, p, i, i, i, i, i, i, scalar, p, i, i]
+    status = build.function(f"attention_rows_{suffix}", argtypes)(
+        q.data_ptr(), q.stride(0), q.stride(1), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(), meta[0].data_ptr(),
+        meta[0].stride(0), meta[1].data_ptr(), meta[2].data_ptr(), meta[2].shape[0], MAX_BATCHED_QUERY_LEN,
+        num_heads, num_kv_heads, head_dim, block_size, scale, out.data_ptr(), out.stride(0), out.stride(1),
+    )  # fmt: skip
+    if status:
+        raise MemoryError("attention_rows: the CPU kernel could not allocate its score buffer")
+    return out

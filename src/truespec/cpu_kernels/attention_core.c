@@ -1,0 +1,70 @@
+/* Causal attention of a step's short queries (decodes, verifies, short chunks) over the paged KV cache on the CPU
+ * (build.py builds it, attention.py calls it; ops/attention.py's paged_attention_ref is the formula).
+ *
+ * Query row (request r, offset j, head h) sits at position p = seq_lens[r] - query_len + j and sees keys 0 .. p of
+ * its request: scores q.k * scale, their maximum, then sum exp(s - max) and sum exp(s - max) v in key order, divided
+ * at the end. A row's arithmetic depends on its own query and keys only, in a fixed order (a dot product over 16
+ * interleaved partial sums, combined in a fixed tree), so its bits never depend on the rows beside it: a verify row
+ * is computed as the same decode row (invariant 4). Compiled with -ffp-contract=off (see gdn_core.c).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#define LANES 16
+
+#define DEFINE_ATTENTION_ROWS(T, SUFFIX, EXP)                                                                       \
+    static T dot_##SUFFIX(const T *a, const T *b, int64_t n) {                                                      \
+        T part[LANES] = {0};                                                                                         \
+        int64_t d = 0;                                                                                               \
+        for (; d + LANES <= n; d += LANES)                                                                           \
+            for (int i = 0; i < LANES; i++) part[i] = part[i] + a[d + i] * b[d + i];                                \
+        for (int i = 0; d + i < n; i++) part[i] = part[i] + a[d + i] * b[d + i];                                    \
+        for (int width = LANES / 2; width > 0; width /= 2)                                                           \
+            for (int i = 0; i < width; i++) part[i] = part[i] + part[i + width];                                    \
+        return part[0];                                                                                              \
+    }                                                                                                                \
+    int attention_rows_##SUFFIX(                                                                                     \
+        const T *q, int64_t q_tok, int64_t q_head, /* [tokens, H, D] strides */                                     \
+        const T *keys, const T *values,            /* [blocks, block_size, H_kv, D] each, contiguous */             \
+        const int64_t *block_tables, int64_t bt_req, const int64_t *qsl, const int64_t *seq_lens, int64_t R,       \
+        int64_t max_query_len, int64_t H, int64_t H_kv, int64_t D, int64_t block_size, T scale,                   \
+        T *out, int64_t o_tok, int64_t o_head /* rows of requests with 1 .. max_query_len tokens written */) {     \
+        int64_t max_keys = 1;                                                                                        \
+        for (int64_t r = 0; r < R; r++) max_keys = seq_lens[r] > max_keys ? seq_lens[r] : max_keys;               \
+        T *scores = malloc(sizeof(T) * max_keys);                                                                    \
+        if (!scores) return 1;                                                                                       \
+        const int64_t group = H / H_kv;                                                                              \
+        for (int64_t r = 0; r < R; r++) {                                                                            \
+            const int64_t len = qsl[r + 1] - qsl[r];                                                                 \
+            if (len < 1 || len > max_query_len) continue;                                                            \
+            const int64_t *table = block_tables + r * bt_req;                                                        \
+            for (int64_t j = 0; j < len; j++) {                                                                      \
+                const int64_t row = qsl[r] + j, num_keys = seq_lens[r] - len + j + 1;                               \
+                for (int64_t h = 0; h < H; h++) {                                                                    \
+                    const T *qh = q + row * q_tok + h * q_head;                                                      \
+                    const int64_t kv_head = h / group;                                                               \
+                    T m = -INFINITY;                                                                                 \
+                    for (int64_t n = 0; n < num_keys; n++) {                                                         \
+                        const int64_t slot = table[n / block_size] * block_size + n % block_size;                   \
+                        scores[n] = dot_##SUFFIX(qh, keys + (slot * H_kv + kv_head) * D, D) * scale;                \
+                        m = scores[n] > m ? scores[n] : m;                                                           \
+                    }                                                                                                \
+                    T *oh = out + row * o_tok + h * o_head, l = 0;                                                   \
+                    for (int64_t d = 0; d < D; d++) oh[d] = 0;                                                       \
+                    for (int64_t n = 0; n < num_keys; n++) {                                                         \
+                        const int64_t slot = table[n / block_size] * block_size + n % block_size;                   \
+                        const T p = EXP(scores[n] - m), *vn = values + (slot * H_kv + kv_head) * D;                \
+                        l = l + p;                                                                                   \
+                        for (int64_t d = 0; d < D; d++) oh[d] = oh[d] + p * vn[d];                                   \
+                    }                                                                                                \
+                    for (int64_t d = 0; d < D; d++) oh[d] = oh[d] / l;                                               \
+                }                                                                                                    \
+            }                                                                                                        \
+        }                                                                                                            \
+        free(scores);                                                                                                \
+        return 0;                                                                                                    \
+    }
+
+DEFINE_ATTENTION_ROWS(float, f32, expf)
+DEFINE_ATTENTION_ROWS(double, f64, exp)
