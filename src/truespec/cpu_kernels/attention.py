@@ -13,7 +13,7 @@ def can_run(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
     """Whether ``attention_rows`` takes this step: a float32 / float64 model on the CPU over a contiguous cache of its
     dtype ([2, blocks, block_size, kv heads, D]), and the library built."""
     return q.device.type == "cpu" and q.dtype in build.SCALARS and kv_cache.dtype == q.dtype \
-        and kv_cache.dim() == 5 and kv_cache.is_contiguous() and build.load() is not None
+        and kv_cache.dim() == 5 and kv_cache.is_contiguous() and not build.tracks_grad(q) and build.load() is not None
 
 
 def attention_rows(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,

@@ -75,6 +75,12 @@ def load() -> ctypes.CDLL | None:
     return lib
 
 
+def tracks_grad(*tensors: torch.Tensor) -> bool:
+    """Whether autograd would record an op on ``tensors``: the kernels here write plain buffers, so such calls keep the
+    torch ops (the engine runs under ``torch.inference_mode``)."""
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
 def function(name: str, argtypes: list) -> ctypes._CFuncPtr | None:
     """The library's function ``name`` with its argument types set (int return: 0 on success), or None where the
     library is not built."""

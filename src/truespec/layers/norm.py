@@ -8,6 +8,7 @@ cast order each variant follows, is ``ops/norm.py``'s.
 import torch
 from torch import nn
 
+from truespec.cpu_kernels import norm as cpu_norm
 from truespec.layers.backend import kernels, use_kernels
 from truespec.ops.norm import add_rms_norm_ref, rms_norm_ref
 
@@ -30,6 +31,8 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if use_kernels(x) and x.stride(-1) == 1:  # one fused kernel (tests/test_kernels.py: same formula)
             return kernels().rms_norm(x, self.weight, self.eps, unit_offset=self.unit_offset)
+        if cpu_norm.can_run(x, self.weight):  # one compiled call instead of ~7 torch ops
+            return cpu_norm.rms_norm(x, self.weight, self.eps, self.unit_offset)[0]
         return rms_norm_ref(x, self.weight, self.eps, self.unit_offset)
 
     def add_norm(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -39,6 +42,8 @@ class RMSNorm(nn.Module):
             return self(x), x
         if use_kernels(x) and x.stride(-1) == 1 and residual.stride(-1) == 1:
             return kernels().add_rms_norm(x, residual, self.weight, self.eps, unit_offset=self.unit_offset)
+        if cpu_norm.can_run(x, self.weight) and residual.shape == x.shape and residual.stride(-1) == 1:
+            return cpu_norm.rms_norm(x, self.weight, self.eps, self.unit_offset, residual)
         return add_rms_norm_ref(x, residual, self.weight, self.eps, self.unit_offset)
 
     def extra_repr(self) -> str:
