@@ -7,8 +7,10 @@ decode row alone, inside a verify of 1 + k rows, among other requests, beside a 
 cannot change a token by rounding (docs/ARCHITECTURE.md, invariant 4). ``batch_invariant=False`` (the engine's
 ``batch_invariant`` setting, through ``set_batch_invariant``) keeps the earlier path instead: one-row 16-bit
 steps through the skinny matrix-vector kernel (kernels/skinny_matmul.py), everything else through cuBLAS, which
-picks its algorithm by row count. CPU and fp64 keep torch (on the CPU, with the rows padded to a multiple of 4, which
-makes each row's bits independent of the others there: ``_padded_linear``).
+picks its algorithm by row count. On the CPU, float32 / float64 rows go through cpu_kernels/linear.py (a compiled
+kernel over a packed weight, each row's bits its own) where it is built; otherwise, and for fp64 on CUDA, torch (on
+the CPU with the rows padded to a multiple of 4, which makes each row's bits independent of the others there:
+``_padded_linear``).
 
 ``linear(gate_up, weight, bias, input_act=act)`` is ``linear(act_and_mul(gate_up, act), weight, bias)``, the
 down projection of a gated MLP: where the kernels run, act(gate) * up is computed as the input is loaded (one
@@ -32,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from truespec.cpu_kernels import linear as cpu_linear
 from truespec.layers.activation import act_and_mul, can_use_act_mul_kernel
 from truespec.layers.backend import kernels, use_kernels
 from truespec.ops.linear import CPU_ROW_MULTIPLE, padded_rows
@@ -51,6 +54,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         return kernels().row_invariant_matmul(x, weight, bias, input_act=input_act)
     if input_act is not None:
         return _act_and_linear(x, weight, bias, input_act, batch_invariant)
+    if batch_invariant and cpu_linear.can_run(x, weight):  # every row count: a row's bits stay its own
+        return cpu_linear.linear(x, weight, bias)
     if _is_skinny(x, weight):
         return kernels().skinny_matmul(x, weight, bias)
     if batch_invariant and x.dim() == 2 and x.shape[0] % CPU_ROW_MULTIPLE and x.device.type == "cpu":

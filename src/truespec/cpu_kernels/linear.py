@@ -1,0 +1,59 @@
+"""``x @ weight.T + bias`` for float32 / float64 rows in one compiled call over a packed copy of the weight: the CPU
+path of layers/linear.py where build.py could build linear_core.c (otherwise torch's BLAS on rows padded to a
+multiple of 4, ops/linear.padded_rows).
+
+torch's BLAS at these sizes (a few rows, weights of a few hundred KB) reads the weights at ~5 GB/s on one core, and
+rounds a row by the kernel it picks for the row count; linear_core.c streams a packed weight at memory speed and
+sums each output in k order whatever the rows beside it (measured in BENCHMARKS.md, session 21). The packed copy
+([panels][K][4 x vector], ``pack_*``) is made on first use and again whenever the weight changes in place (its
+version counter); weights of more than ``MAX_PACKED_ELEMENTS`` keep the BLAS path, so a large model on the CPU does
+not hold a second copy of its big matrices (a weight takes one path for the whole run: its rows stay invariant).
+"""
+
+import torch
+
+from truespec.cpu_kernels import build
+
+MAX_PACKED_ELEMENTS = 1 << 24  # 64 MiB of fp32: every weight of the embedded models, a 0.8B model's but its lm_head
+
+
+def can_run(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Rows [M, K] of a float32 / float64 model on the CPU (unit last stride) times a weight [N, K] of at most
+    MAX_PACKED_ELEMENTS, no autograd to record, and the library built."""
+    return x.device.type == "cpu" and x.dim() == 2 and weight.dim() == 2 and x.dtype in build.SCALARS \
+        and weight.dtype == x.dtype and x.stride(-1) == 1 and weight.numel() <= MAX_PACKED_ELEMENTS \
+        and not build.tracks_grad(x, weight) and build.load() is not None
+
+
+def _packed(weight: torch.Tensor) -> torch.Tensor:
+    """The weight's packed copy, kept on the weight (rebuilt after an in-place change)."""
+    key = (weight.data_ptr(), weight._version, tuple(weight.shape))
+    cached = getattr(weight, "_truespec_packed", None)
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    suffix, _ = build.SCALARS[weight.dtype]
+    num_out, num_in = weight.shape
+    per_panel = 4 * (64 // weight.element_size())  # outputs per panel: 4 vectors of 64 bytes
+    packed = torch.empty(-(-num_out // per_panel) * num_in * per_panel, dtype=weight.dtype)
+    source = weight.detach().contiguous()
+    p, i = build.POINTER, build.INT
+    build.function(f"pack_{suffix}", [p, i, i, p])(source.data_ptr(), num_out, num_in, packed.data_ptr())
+    weight._truespec_packed = (key, packed)
+    return packed
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """[M, N] in x's dtype. Check ``can_run`` first."""
+    num_rows, num_in = x.shape
+    if weight.shape[1] != num_in or (bias is not None and bias.shape != (weight.shape[0],)):
+        raise ValueError(f"linear: x {tuple(x.shape)}, weight {tuple(weight.shape)} and bias do not fit")
+    suffix, _ = build.SCALARS[x.dtype]
+    num_out = weight.shape[0]
+    out = torch.empty(num_rows, num_out, dtype=x.dtype)
+    bias = None if bias is None else bias.detach().to(x.dtype).contiguous()
+    p, i = build.POINTER, build.INT
+    build.function(f"linear_{suffix}", [p, i, p, p, i, i, i, p, i])(
+        x.data_ptr(), x.stride(0), _packed(weight).data_ptr(), None if bias is None else bias.data_ptr(), num_rows,
+        num_out, num_in, out.data_ptr(), out.stride(0),
+    )  # fmt: skip
+    return out

@@ -1,0 +1,48 @@
+"""The CPU path's compiled projection (cpu_kernels/linear.py and linear_core.c) against ``linear_ref``: any row count
+(1, a verify's 4, blocks of 4 plus a remainder), outputs that do not fill a panel, an odd K, bias, strided rows,
+float32 and float64; a row's bits the same alone and among any other rows (invariant 4 on the CPU); the packed copy
+renewed when the weight changes in place; a weight too large to pack keeps torch's BLAS."""
+
+import pytest
+import torch
+
+from helpers.kernels import assert_near
+from truespec.cpu_kernels import build
+from truespec.cpu_kernels import linear as cpu_linear
+from truespec.layers.linear import linear
+from truespec.ops.linear import linear_ref
+
+pytestmark = pytest.mark.skipif(build.load() is None, reason="no C compiler: the CPU path keeps its torch ops")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize(("num_out", "num_in"), [(776, 256), (37, 13), (130, 64)])
+def test_rows_match_the_reference_and_do_not_depend_on_each_other(dtype: torch.dtype, num_out: int,
+                                                                   num_in: int) -> None:  # fmt: skip
+    gen = torch.Generator().manual_seed(num_out)
+    weight = torch.randn(num_out, num_in, generator=gen, dtype=dtype) * num_in**-0.5
+    bias = torch.randn(num_out, generator=gen, dtype=dtype)
+    wide = torch.randn(11, num_in + 5, generator=gen, dtype=dtype)
+    x = wide[:, 2 : 2 + num_in]  # strided rows
+    for b in (None, bias):
+        out = cpu_linear.linear(x, weight, b)
+        assert_near(out, linear_ref(x, weight, b), dtype)
+        for start, stop in [(0, 1), (3, 4), (4, 8), (1, 5), (2, 11), (7, 11)]:  # alone, a verify, blocks + remainder
+            assert torch.equal(cpu_linear.linear(x[start:stop], weight, b), out[start:stop])
+
+
+def test_the_packed_weight_follows_in_place_changes() -> None:
+    weight, x = torch.randn(70, 32), torch.randn(3, 32)
+    first = cpu_linear.linear(x, weight)
+    with torch.no_grad():
+        weight.mul_(2)
+    assert_near(cpu_linear.linear(x, weight), 2 * first, torch.float32)
+
+
+def test_the_layer_function_takes_it_unless_the_weight_is_too_large(monkeypatch: pytest.MonkeyPatch) -> None:
+    weight, x = torch.randn(70, 32), torch.randn(3, 32)
+    assert cpu_linear.can_run(x, weight)
+    assert torch.equal(linear(x, weight), cpu_linear.linear(x, weight))
+    monkeypatch.setattr(cpu_linear, "MAX_PACKED_ELEMENTS", weight.numel() - 1)
+    assert not cpu_linear.can_run(x, weight)
+    assert_near(linear(x, weight), linear_ref(x, weight), torch.float32)
