@@ -9,7 +9,8 @@ from truespec.ops.gdn import L2NORM_EPS
 
 def can_run(x: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor, *params: torch.Tensor) -> bool:
     """Whether ``gdn_core`` takes this layer's step: a float32 / float64 model on the CPU, states of its dtype laid
-    out as the layer allocates them, no autograd to record (``params``: the layer's), and the library built."""
+    out as the layer allocates them, no autograd to record (``params``: the layer's weights the kernel reads), and
+    the library built."""
     layout = conv_state.dtype == ssm_state.dtype == x.dtype and conv_state[0].is_contiguous()
     return x.device.type == "cpu" and x.dtype in build.SCALARS and layout and ssm_state[0].is_contiguous() \
         and not build.tracks_grad(x, *params) and build.load() is not None

@@ -111,7 +111,8 @@ class GatedDeltaNet(nn.Module):
         if use_kernels(x):
             return self._forward_kernels(x, ctx)
         mixed_qkv, z, b, a = self.in_proj.split(self.in_proj(x))  # [T, conv_dim], [T, value_dim], [T, HV] x 2
-        if self.hidden_act == "silu" and cpu_gdn.can_run(x, self.conv_state, self.ssm_state, *self.parameters()):
+        weights = (self.conv1d.weight, self.A_log, self.dt_bias, self.norm.weight)  # what the C kernel reads
+        if self.hidden_act == "silu" and cpu_gdn.can_run(x, self.conv_state, self.ssm_state, *weights):
             core = cpu_gdn.gdn_core(
                 mixed_qkv, z, a, b, self.conv1d.weight, self.A_log, self.dt_bias, self.norm.weight, self.norm.eps,
                 self.conv_state, self.ssm_state, ctx.query_start_loc, ctx.state_src, ctx.state_dst,
