@@ -3,27 +3,16 @@
  *
  * Query row (request r, offset j, head h) sits at position p = seq_lens[r] - query_len + j and sees keys 0 .. p of
  * its request: scores q.k * scale, their maximum, then sum exp(s - max) and sum exp(s - max) v in key order, divided
- * at the end. A row's arithmetic depends on its own query and keys only, in a fixed order (a dot product over 16
- * interleaved partial sums, combined in a fixed tree), so its bits never depend on the rows beside it: a verify row
+ * at the end. A row's arithmetic depends on its own query and keys only, in a fixed order (lanes.h's dot product), so its bits never depend on the rows beside it: a verify row
  * is computed as the same decode row (invariant 4). Compiled with -ffp-contract=off (see gdn_core.c).
  */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 
-#define LANES 16
+#include "lanes.h"
 
 #define DEFINE_ATTENTION_ROWS(T, SUFFIX, EXP)                                                                       \
-    static T dot_##SUFFIX(const T *a, const T *b, int64_t n) {                                                      \
-        T part[LANES] = {0};                                                                                         \
-        int64_t d = 0;                                                                                               \
-        for (; d + LANES <= n; d += LANES)                                                                           \
-            for (int i = 0; i < LANES; i++) part[i] = part[i] + a[d + i] * b[d + i];                                \
-        for (int i = 0; d + i < n; i++) part[i] = part[i] + a[d + i] * b[d + i];                                    \
-        for (int width = LANES / 2; width > 0; width /= 2)                                                           \
-            for (int i = 0; i < width; i++) part[i] = part[i] + part[i + width];                                    \
-        return part[0];                                                                                              \
-    }                                                                                                                \
     int attention_rows_##SUFFIX(                                                                                     \
         const T *q, int64_t q_tok, int64_t q_head, /* [tokens, H, D] strides */                                     \
         const T *keys, const T *values,            /* [blocks, block_size, H_kv, D] each, contiguous */             \
@@ -47,7 +36,7 @@
                     T m = -INFINITY;                                                                                 \
                     for (int64_t n = 0; n < num_keys; n++) {                                                         \
                         const int64_t slot = table[n / block_size] * block_size + n % block_size;                   \
-                        scores[n] = dot_##SUFFIX(qh, keys + (slot * H_kv + kv_head) * D, D) * scale;                \
+                        scores[n] = lane_dot_##SUFFIX(qh, keys + (slot * H_kv + kv_head) * D, D) * scale;                \
                         m = scores[n] > m ? scores[n] : m;                                                           \
                     }                                                                                                \
                     T *oh = out + row * o_tok + h * o_head, l = 0;                                                   \

@@ -43,7 +43,7 @@ def _cpu_id() -> str:
 
 def _build(compiler: str) -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
-    texts = [source.read_text() for source in SOURCES]
+    texts = [path.read_text() for path in sorted(SOURCES[0].parent.glob("*.[ch]"))]  # sources and their headers
     key = hashlib.sha256("\0".join([*texts, version, _cpu_id(), *FLAGS]).encode()).hexdigest()[:16]
     cache = Path(os.environ.get("TRUESPEC_CACHE_DIR") or Path.home() / ".cache" / "truespec")
     target = cache / f"cpu_kernels-{key}.so"
