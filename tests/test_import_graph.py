@@ -16,9 +16,9 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 ROOT = "truespec"
 EXCLUDED = {"training"}  # its own pipeline: it may import anything, and nothing here is checked against it
 # Highest first: entrypoints -> llm / engine -> spec_decode -> structured_output -> worker -> models -> layers ->
-# kernels -> ops.
+# kernels -> cpu_kernels -> ops.
 ORDER = ["entrypoints", "llm", "engine", "spec_decode", "structured_output", "worker", "core", "kv_cache", "models",
-         "layers", "kernels", "ops"]  # fmt: skip
+         "layers", "kernels", "cpu_kernels", "ops"]  # fmt: skip
 LEAVES = {"config", "sampling_params", "outputs", "forward_context", "tokenizer", "assets", "dtypes"}
 TOP = {ROOT, f"{ROOT}.__main__"}  # the package's public face and ``python -m truespec``: above everything
 # Request and cache bookkeeping: plain Python, testable without torch (docs/ARCHITECTURE.md)
