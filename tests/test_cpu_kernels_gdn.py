@@ -17,7 +17,11 @@ from truespec.forward_context import set_forward_context
 from truespec.layers.gdn import GatedDeltaNet
 
 pytestmark = pytest.mark.skipif(build.load() is None, reason="no C compiler: the CPU path keeps its torch ops")
-ROW_SETS = pytest.mark.parametrize("rows", [GDN_ROWS, GDN_ROWS_OWN_SOURCES], ids=["mixed", "own_sources"])
+# a plain decode batch, each request kept in its own slot (updated where it is); two decodes sharing a source
+DECODES_IN_PLACE = [(1, 3, 3, 0), (1, 5, 5, 0), (0, -1, -1, 0), (1, 9, 9, 0)]
+DECODES_SHARING = [(1, 3, 3, 0), (1, 3, 7, 0)]
+ROW_SETS = pytest.mark.parametrize("rows", [GDN_ROWS, GDN_ROWS_OWN_SOURCES, DECODES_IN_PLACE, DECODES_SHARING],
+                                   ids=["mixed", "own_sources", "in_place", "sharing"])
 
 
 def cpu_layer(dtype: torch.dtype, seed: int = 7) -> tuple[GatedDeltaNet, tuple[torch.Tensor, torch.Tensor]]:
@@ -63,8 +67,9 @@ def test_native_core_gives_the_torch_layer_output_and_states(dtype: torch.dtype,
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_a_request_gives_the_same_bits_alone_and_in_the_batch(dtype: torch.dtype) -> None:
-    rows = [r for r in GDN_ROWS if r[0] > 0]
+@pytest.mark.parametrize("batch", [GDN_ROWS, DECODES_IN_PLACE], ids=["mixed", "in_place"])
+def test_a_request_gives_the_same_bits_alone_and_in_the_batch(dtype: torch.dtype, batch: list) -> None:
+    rows = [r for r in batch if r[0] > 0]
     layer, states = cpu_layer(dtype, seed=3)
     x = torch.randn(sum(r[0] for r in rows), 24, generator=torch.Generator().manual_seed(2), dtype=dtype)
     out, conv, ssm = run(layer, states, rows, x, native_on=True)

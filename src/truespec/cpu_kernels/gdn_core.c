@@ -32,7 +32,15 @@
         if (!windows) return 1;                                                                                      \
         T *states = windows + R * C * W, *y = states + R * S, *qn = y + C, *kn = qn + HK * DK;                    \
         T *kv = kn + HK * DK, *o = kv + DV;                                                                          \
-        for (int64_t r = 0; r < R; r++) { /* every read of a source slot before any write */                        \
+        /* A plain decode batch (every request one token, kept in its own source slot, no slot shared) updates its    \
+         * slots where they are; any other step first copies every source (every read before any write). */        \
+        int in_place = 1;                                                                                            \
+        for (int64_t r = 0; r < R && in_place; r++) {                                                                \
+            const int64_t len = qsl[r + 1] - qsl[r];                                                                 \
+            in_place = len == 0 || (len == 1 && src[r] >= 0 && dst[r] == src[r] && wstart[r] == 0);                \
+            for (int64_t o = 0; o < r && in_place && len; o++) in_place = qsl[o + 1] == qsl[o] || src[o] != src[r]; \
+        }                                                                                                            \
+        for (int64_t r = 0; r < R && !in_place; r++) { /* every read of a source slot before any write */          \
             if (src[r] >= 0) {                                                                                       \
                 memcpy(windows + r * C * W, conv_state + src[r] * conv_slot, sizeof(T) * C * W);                    \
                 memcpy(states + r * S, ssm_state + src[r] * ssm_slot, sizeof(T) * S);                               \
@@ -42,7 +50,8 @@
             }                                                                                                        \
         }                                                                                                            \
         for (int64_t r = 0; r < R; r++) {                                                                            \
-            T *win = windows + r * C * W, *st = states + r * S;                                                      \
+            T *win = in_place ? conv_state + src[r] * conv_slot : windows + r * C * W;                               \
+            T *st = in_place ? ssm_state + src[r] * ssm_slot : states + r * S;                                       \
             for (int64_t t = 0; t < qsl[r + 1] - qsl[r]; t++) {                                                      \
                 const int64_t row = qsl[r] + t;                                                                      \
                 const T *xt = x + row * ld_x;                                                                        \
@@ -89,7 +98,7 @@
                     for (int64_t dv = 0; dv < DV; dv++)                                                              \
                         oh[dv] = norm_w[dv] * (o[dv] * inv) * (zh[dv] / ((T)1 + EXP(-zh[dv])));                     \
                 }                                                                                                    \
-                if (dst[r] >= 0 && t >= wstart[r]) {                                                                 \
+                if (!in_place && dst[r] >= 0 && t >= wstart[r]) {                                                    \
                     const int64_t slot = dst[r] + t - wstart[r];                                                     \
                     memcpy(conv_state + slot * conv_slot, win, sizeof(T) * C * W);                                   \
                     memcpy(ssm_state + slot * ssm_slot, st, sizeof(T) * S);                                          \

@@ -36,10 +36,10 @@ typedef double vf64 __attribute__((vector_size(64)));
     int linear_##SUFFIX(const T *x, int64_t ld_x, const T *packed, const T *bias, int64_t M, int64_t N, int64_t K, \
                         T *y, int64_t ld_y) {                                                                     \
         const int64_t NR = 4 * L, panels = (N + NR - 1) / NR;                                                     \
-        int64_t m = 0;                                                                                            \
-        for (; m + 4 <= M; m += 4)                                                                                \
-            for (int64_t p = 0; p < panels; p++) {                                                                \
-                const T *pk = packed + p * K * NR;                                                                \
+        for (int64_t p = 0; p < panels; p++) { /* a panel (K x 4L weights) stays in cache for every row */        \
+            const T *pk = packed + p * K * NR, *bp = bias ? bias + p * NR : 0;                                    \
+            int64_t m = 0;                                                                                        \
+            for (; m + 4 <= M; m += 4) {                                                                          \
                 V a[4][4] = {{{0}}};                                                                              \
                 for (int64_t k = 0; k < K; k++) {                                                                 \
                     const V w0 = load_##SUFFIX(pk + k * NR), w1 = load_##SUFFIX(pk + k * NR + L);                 \
@@ -50,12 +50,9 @@ typedef double vf64 __attribute__((vector_size(64)));
                         a[r][2] = a[r][2] + xv * w2; a[r][3] = a[r][3] + xv * w3;                                 \
                     }                                                                                             \
                 }                                                                                                 \
-                for (int r = 0; r < 4; r++)                                                                       \
-                    store_panel_##SUFFIX(y + (m + r) * ld_y + p * NR, bias ? bias + p * NR : 0, a[r], N - p * NR); \
+                for (int r = 0; r < 4; r++) store_panel_##SUFFIX(y + (m + r) * ld_y + p * NR, bp, a[r], N - p * NR); \
             }                                                                                                     \
-        for (; m < M; m++)                                                                                        \
-            for (int64_t p = 0; p < panels; p++) {                                                                \
-                const T *pk = packed + p * K * NR;                                                                \
+            for (; m < M; m++) {                                                                                  \
                 V a[4] = {{0}};                                                                                   \
                 for (int64_t k = 0; k < K; k++) {                                                                 \
                     const T xv = x[m * ld_x + k];                                                                 \
@@ -63,8 +60,9 @@ typedef double vf64 __attribute__((vector_size(64)));
                     a[2] = a[2] + xv * load_##SUFFIX(pk + k * NR + 2 * L);                                        \
                     a[3] = a[3] + xv * load_##SUFFIX(pk + k * NR + 3 * L);                                        \
                 }                                                                                                 \
-                store_panel_##SUFFIX(y + m * ld_y + p * NR, bias ? bias + p * NR : 0, a, N - p * NR);            \
+                store_panel_##SUFFIX(y + m * ld_y + p * NR, bp, a, N - p * NR);                                   \
             }                                                                                                     \
+        }                                                                                                         \
         return 0;                                                                                                 \
     }
 
