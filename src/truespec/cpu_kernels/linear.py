@@ -10,6 +10,9 @@ version counter); weights of more than ``MAX_PACKED_ELEMENTS`` keep the BLAS pat
 not hold a second copy of its big matrices (a weight takes one path for the whole run: its rows stay invariant).
 """
 
+from collections.abc import Callable
+from typing import NamedTuple
+
 import torch
 
 from truespec.cpu_kernels import build
@@ -25,12 +28,21 @@ def can_run(x: torch.Tensor, weight: torch.Tensor) -> bool:
         and not build.tracks_grad(x, weight) and build.load() is not None
 
 
-def _packed(weight: torch.Tensor) -> torch.Tensor:
-    """The weight's packed copy, kept on the weight (rebuilt after an in-place change)."""
-    key = (weight.data_ptr(), weight._version, tuple(weight.shape))
+class _Packed(NamedTuple):
+    key: tuple[int, int]  # the weight's (data_ptr, version) when packed
+    packed: torch.Tensor
+    address: int  # packed.data_ptr()
+    num_out: int
+    num_in: int
+    run: Callable  # the kernel for the weight's dtype, its argument types set
+
+
+def _packed(weight: torch.Tensor) -> _Packed:
+    """The weight's packed copy, kept on the weight (rebuilt after an in-place change: its version moves)."""
+    key = (weight.data_ptr(), weight._version)
     cached = getattr(weight, "_truespec_packed", None)
-    if cached is not None and cached[0] == key:
-        return cached[1]
+    if cached is not None and cached.key == key:
+        return cached
     suffix, _ = build.SCALARS[weight.dtype]
     num_out, num_in = weight.shape
     per_panel = 4 * (64 // weight.element_size())  # outputs per panel: 4 vectors of 64 bytes
@@ -38,22 +50,19 @@ def _packed(weight: torch.Tensor) -> torch.Tensor:
     source = weight.detach().contiguous()
     p, i = build.POINTER, build.INT
     build.function(f"pack_{suffix}", [p, i, i, p])(source.data_ptr(), num_out, num_in, packed.data_ptr())
-    weight._truespec_packed = (key, packed)
-    return packed
+    run = build.function(f"linear_{suffix}", [p, i, p, p, i, i, i, p, i])
+    weight._truespec_packed = _Packed(key, packed, packed.data_ptr(), num_out, num_in, run)
+    return weight._truespec_packed
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """[M, N] in x's dtype. Check ``can_run`` first."""
+    w = _packed(weight)
     num_rows, num_in = x.shape
-    if weight.shape[1] != num_in or (bias is not None and bias.shape != (weight.shape[0],)):
+    if num_in != w.num_in or (bias is not None and (bias.shape != (w.num_out,) or bias.dtype != x.dtype)):
         raise ValueError(f"linear: x {tuple(x.shape)}, weight {tuple(weight.shape)} and bias do not fit")
-    suffix, _ = build.SCALARS[x.dtype]
-    num_out = weight.shape[0]
-    out = torch.empty(num_rows, num_out, dtype=x.dtype)
-    bias = None if bias is None else bias.detach().to(x.dtype).contiguous()
-    p, i = build.POINTER, build.INT
-    build.function(f"linear_{suffix}", [p, i, p, p, i, i, i, p, i])(
-        x.data_ptr(), x.stride(0), _packed(weight).data_ptr(), None if bias is None else bias.data_ptr(), num_rows,
-        num_out, num_in, out.data_ptr(), out.stride(0),
-    )  # fmt: skip
+    out = torch.empty(num_rows, w.num_out, dtype=x.dtype)
+    bias = None if bias is None else bias.contiguous()  # held until the call returns
+    w.run(x.data_ptr(), x.stride(0), w.address, None if bias is None else bias.data_ptr(), num_rows, w.num_out,
+          num_in, out.data_ptr(), w.num_out)  # fmt: skip
     return out
