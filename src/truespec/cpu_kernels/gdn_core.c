@@ -76,19 +76,19 @@
                     const T sp = a[row * ld_ab + h] + dt_bias[h];                                                    \
                     const T g = -EXP(A_log[h]) * (sp > (T)20 ? sp : LOG1P(EXP(sp)));                               \
                     const T decay = EXP(g), beta = (T)1 / ((T)1 + EXP(-b[row * ld_ab + h]));                       \
-                    T *sh = st + h * DK * DV;                                                                        \
-                    for (int64_t dv = 0; dv < DV; dv++) { sh[dv] = sh[dv] * decay; kv[dv] = sh[dv] * k[0]; }       \
+                    T *restrict sh = st + h * DK * DV, *restrict kvr = kv, *restrict orow = o;                                                                         \
+                    for (int64_t dv = 0; dv < DV; dv++) { sh[dv] = sh[dv] * decay; kvr[dv] = sh[dv] * k[0]; }       \
                     for (int64_t dk = 1; dk < DK; dk++)                                                              \
                         for (int64_t dv = 0; dv < DV; dv++) {                                                        \
                             sh[dk * DV + dv] = sh[dk * DV + dv] * decay;                                             \
-                            kv[dv] = kv[dv] + sh[dk * DV + dv] * k[dk];                                              \
+                            kvr[dv] = kvr[dv] + sh[dk * DV + dv] * k[dk];                                              \
                         }                                                                                            \
-                    for (int64_t dv = 0; dv < DV; dv++) kv[dv] = (v[dv] - kv[dv]) * beta; /* delta */             \
-                    for (int64_t dv = 0; dv < DV; dv++) { sh[dv] = sh[dv] + k[0] * kv[dv]; o[dv] = sh[dv] * q[0]; } \
+                    for (int64_t dv = 0; dv < DV; dv++) kvr[dv] = (v[dv] - kvr[dv]) * beta; /* delta */             \
+                    for (int64_t dv = 0; dv < DV; dv++) { sh[dv] = sh[dv] + k[0] * kvr[dv]; orow[dv] = sh[dv] * q[0]; } \
                     for (int64_t dk = 1; dk < DK; dk++)                                                              \
                         for (int64_t dv = 0; dv < DV; dv++) {                                                        \
-                            sh[dk * DV + dv] = sh[dk * DV + dv] + k[dk] * kv[dv];                                    \
-                            o[dv] = o[dv] + sh[dk * DV + dv] * q[dk];                                                \
+                            sh[dk * DV + dv] = sh[dk * DV + dv] + k[dk] * kvr[dv];                                    \
+                            orow[dv] = orow[dv] + sh[dk * DV + dv] * q[dk];                                                \
                         }                                                                                            \
                     T ss = o[0] * o[0]; /* gated RMSNorm over the head: w * (o / rms(o)) * silu(z) */               \
                     for (int64_t dv = 1; dv < DV; dv++) ss = ss + o[dv] * o[dv];                                    \
