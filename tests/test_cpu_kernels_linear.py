@@ -46,3 +46,10 @@ def test_the_layer_function_takes_it_unless_the_weight_is_too_large(monkeypatch:
     monkeypatch.setattr(cpu_linear, "MAX_PACKED_ELEMENTS", weight.numel() - 1)
     assert not cpu_linear.can_run(x, weight)
     assert_near(linear(x, weight), linear_ref(x, weight), torch.float32)
+
+
+def test_an_inference_tensor_weight_keeps_torch_blas() -> None:
+    with torch.inference_mode():
+        weight, x = torch.randn(70, 32), torch.randn(3, 32)
+        assert not cpu_linear.can_run(x, weight)  # no version counter: a packed copy could not follow changes
+        assert_near(linear(x, weight), linear_ref(x, weight), torch.float32)

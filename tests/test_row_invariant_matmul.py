@@ -28,6 +28,7 @@ triton = pytest.importorskip("triton")
 import truespec.kernels.prefill_matmul as prefill_mod  # noqa: E402
 import truespec.layers.activation as activation_mod  # noqa: E402
 import truespec.layers.linear as linear_mod  # noqa: E402
+from truespec.cpu_kernels import linear as cpu_linear  # noqa: E402
 from truespec.kernels import act_mul, linear_ref, row_invariant_matmul  # noqa: E402
 from truespec.layers.mlp import GatedMLP  # noqa: E402
 
@@ -159,9 +160,13 @@ def test_linear_sends_every_cuda_step_to_the_invariant_kernel(monkeypatch: pytes
             x = torch.randn(rows, 40, device=DEVICE).to(dtype)
             assert torch.equal(linear_mod.linear(x, w.to(dtype)), real(x, w.to(dtype)))
     assert calls == [None] * 9
-    x64 = torch.randn(2, 40, dtype=torch.float64, device=DEVICE)  # fp64 (the CPU exactness path): torch
-    padded = padded_rows(x64) if x64.device.type == "cpu" else x64  # on the CPU, on a multiple of 4 rows
-    assert torch.equal(linear_mod.linear(x64, w.double()), torch.nn.functional.linear(padded, w.double())[:2])
+    x64 = torch.randn(2, 40, dtype=torch.float64, device=DEVICE)  # fp64 (the CPU exactness path): not the kernel
+    if cpu_linear.can_run(x64, w.double()):  # on the CPU: the compiled projection (tests/test_cpu_kernels_linear.py)
+        expected = cpu_linear.linear(x64, w.double())
+    else:  # torch, on the CPU on a multiple of 4 rows
+        padded = padded_rows(x64) if x64.device.type == "cpu" else x64
+        expected = torch.nn.functional.linear(padded, w.double())[:2]
+    assert torch.equal(linear_mod.linear(x64, w.double()), expected)
     assert len(calls) == 9
     mlp = GatedMLP(40, 70, "silu").to(device=DEVICE, dtype=torch.bfloat16)  # down: act(gate) * up fused in
     mlp(torch.randn(3, 40, device=DEVICE).to(torch.bfloat16))

@@ -22,10 +22,11 @@ MAX_PACKED_ELEMENTS = 1 << 24  # 64 MiB of fp32: every weight of the embedded mo
 
 def can_run(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Rows [M, K] of a float32 / float64 model on the CPU (unit last stride) times a weight [N, K] of at most
-    MAX_PACKED_ELEMENTS, no autograd to record, and the library built."""
+    MAX_PACKED_ELEMENTS that tracks in-place changes (not an inference tensor: the packed copy follows its version
+    counter), no autograd to record, and the library built."""
     return x.device.type == "cpu" and x.dim() == 2 and weight.dim() == 2 and x.dtype in build.SCALARS \
         and weight.dtype == x.dtype and x.stride(-1) == 1 and weight.numel() <= MAX_PACKED_ELEMENTS \
-        and not build.tracks_grad(x, weight) and build.load() is not None
+        and not weight.is_inference() and not build.tracks_grad(x, weight) and build.load() is not None
 
 
 class _Packed(NamedTuple):
