@@ -42,7 +42,8 @@ class RMSNorm(nn.Module):
             return self(x), x
         if use_kernels(x) and x.stride(-1) == 1 and residual.stride(-1) == 1:
             return kernels().add_rms_norm(x, residual, self.weight, self.eps, unit_offset=self.unit_offset)
-        if cpu_norm.can_run(x, self.weight) and residual.shape == x.shape and residual.stride(-1) == 1:
+        if cpu_norm.can_run(x, self.weight) and residual.shape == x.shape and residual.dtype == x.dtype \
+                and residual.stride(-1) == 1:
             return cpu_norm.rms_norm(x, self.weight, self.eps, self.unit_offset, residual)
         return add_rms_norm_ref(x, residual, self.weight, self.eps, self.unit_offset)
 
