@@ -3,8 +3,8 @@ C compiler on first use, loaded with ctypes.
 
 In torch, one layer of a decode step is a hundred or more small ops, each a few microseconds of dispatch for a few
 hundred numbers of work: on a small model that dispatch, not arithmetic, is the CPU step. Each C kernel here computes
-what a run of those ops computes, in one call (gdn_core.c: a GDN layer's core; attention_core.c: the attention of a
-step's short queries).
+what a run of those ops computes, in one call: gdn_core.c (a GDN layer's core), attention_core.c (the attention of a
+step's short queries), norm_core.c (RMSNorm), rotary_core.c (q / k norms and RoPE), linear_core.c (projections).
 
 Built once per sources, compiler and CPU: ``$CC`` (else ``cc``) with -O3 -march=native -ffp-contract=off into
 ``$TRUESPEC_CACHE_DIR`` (else ``~/.cache/truespec``); ~1 s, then reused. No compiler, a failed build, or
