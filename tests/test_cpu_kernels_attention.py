@@ -14,7 +14,7 @@ from truespec.cpu_kernels import attention as cpu_attention
 from truespec.cpu_kernels import build
 from truespec.forward_context import set_forward_context
 from truespec.layers.attention import PagedAttention
-from truespec.ops.attention import paged_attention_ref
+from truespec.ops.attention import paged_attention_ref, reshape_and_cache_ref
 
 pytestmark = pytest.mark.skipif(build.load() is None, reason="no C compiler: the CPU path keeps its torch ops")
 # (num_cached, query_len): decodes, a 1+3 verify, a 16-token chunk after a cached prefix (mid-block), an empty query,
@@ -71,3 +71,16 @@ def test_the_layer_gives_the_torch_path_output(dtype: torch.dtype) -> None:
                 mock.patch.object(cpu_attention, "can_run", return_value=is_on and cpu_attention.can_run(q, cache)):
             outs.append(layer(q, k, v))
     assert_near(outs[0], outs[1], dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_store_kv_is_reshape_and_cache(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(9)
+    cache = torch.randn(2, 6, 4, 2, 32, generator=gen, dtype=dtype)
+    kv = torch.randn(5, 3, 2, 32, generator=gen, dtype=dtype)  # k and v as strided views of one tensor, 5 rows
+    k, v = kv[:, 0], kv[:, 2]
+    slots = torch.tensor([7, -1, 0, 23])  # 4 tokens (the fifth row is padding), one not stored
+    expected = cache.clone()
+    reshape_and_cache_ref(k, v, expected, slots)
+    cpu_attention.store_kv(k, v, cache, slots)
+    assert torch.equal(cache, expected)

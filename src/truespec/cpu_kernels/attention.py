@@ -37,3 +37,20 @@ def attention_rows(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: tor
     if status:
         raise MemoryError("attention_rows: the CPU kernel could not allocate its score buffer")
     return out
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """``reshape_and_cache_ref``: k / v [T', H_kv, D] (unit last strides) at ``slot_mapping`` [T] of the model-dtype
+    cache (slot -1: nothing). Check ``can_run`` first."""
+    num_kv_heads, head_dim = kv_cache.shape[-2:]
+    if k.shape[1:] != (num_kv_heads, head_dim) or v.shape[1:] != k.shape[1:] or k.dtype != kv_cache.dtype \
+            or v.dtype != k.dtype or k.stride(-1) != 1 or v.stride(-1) != 1 or k.shape[0] < slot_mapping.shape[0]:
+        raise ValueError(f"store_kv: k {tuple(k.shape)}, v {tuple(v.shape)}, cache {tuple(kv_cache.shape)} do not fit")
+    suffix, _ = build.SCALARS[k.dtype]
+    slots = slot_mapping if slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous() else \
+        slot_mapping.to(torch.int64).contiguous()
+    p, i = build.POINTER, build.INT
+    build.function(f"store_kv_{suffix}", [p, i, i, p, i, i, p, i, i, i, p, p])(
+        k.data_ptr(), k.stride(0), k.stride(1), v.data_ptr(), v.stride(0), v.stride(1), slots.data_ptr(),
+        slots.shape[0], num_kv_heads, head_dim, kv_cache[0].data_ptr(), kv_cache[1].data_ptr(),
+    )  # fmt: skip

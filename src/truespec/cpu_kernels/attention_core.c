@@ -9,6 +9,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "lanes.h"
 
@@ -57,3 +58,22 @@
 
 DEFINE_ATTENTION_ROWS(float, f32, expf)
 DEFINE_ATTENTION_ROWS(double, f64, exp)
+
+/* Store a step's keys and values at their cache slots (ops/attention.py's reshape_and_cache_ref): row t of k / v
+ * [tokens, H_kv, D] (strided rows and heads) into slot slot_mapping[t] of the cache halves; slot -1 writes nothing. */
+#define DEFINE_STORE_KV(T, SUFFIX)                                                                                  \
+    int store_kv_##SUFFIX(const T *k, int64_t k_tok, int64_t k_head, const T *v, int64_t v_tok, int64_t v_head,      \
+                          const int64_t *slot_mapping, int64_t tokens, int64_t H_kv, int64_t D, T *keys, T *values) { \
+        for (int64_t t = 0; t < tokens; t++) {                                                                       \
+            const int64_t slot = slot_mapping[t];                                                                    \
+            if (slot < 0) continue;                                                                                  \
+            for (int64_t h = 0; h < H_kv; h++) {                                                                     \
+                memcpy(keys + (slot * H_kv + h) * D, k + t * k_tok + h * k_head, sizeof(T) * D);                    \
+                memcpy(values + (slot * H_kv + h) * D, v + t * v_tok + h * v_head, sizeof(T) * D);                  \
+            }                                                                                                        \
+        }                                                                                                            \
+        return 0;                                                                                                    \
+    }
+
+DEFINE_STORE_KV(float, f32)
+DEFINE_STORE_KV(double, f64)

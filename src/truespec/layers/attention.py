@@ -79,7 +79,10 @@ class PagedAttention(nn.Module):
             store_packed_ref(self.kv_format.encode(k[:num_tokens], v[:num_tokens]), self.kv_cache, ctx.slot_mapping)
             decode = functools.partial(self.kv_format.decode, head_dim=self.head_dim, dtype=q.dtype)
             return self._attend_torch(q, meta, decode)
-        reshape_and_cache_ref(k, v, self.kv_cache, ctx.slot_mapping)
+        if cpu_attention.can_run(q, self.kv_cache) and k.stride(-1) == 1 and v.stride(-1) == 1:
+            cpu_attention.store_kv(k, v, self.kv_cache, ctx.slot_mapping)
+        else:
+            reshape_and_cache_ref(k, v, self.kv_cache, ctx.slot_mapping)
         return self._attend_torch(q, meta, None)
 
     def _attend_torch(self, q: torch.Tensor, meta: tuple[torch.Tensor, ...],
