@@ -25,8 +25,7 @@ def attention_rows(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: tor
     if num_heads % num_kv_heads or kv_cache.shape[-1] != head_dim or q.stride(-1) != 1 or out.stride(-1) != 1:
         raise ValueError(f"q {tuple(q.shape)} and kv_cache {tuple(kv_cache.shape)} do not fit (unit last strides)")
     suffix, scalar = build.SCALARS[q.dtype]
-    meta = [t if t.dtype == torch.int64 and t.stride(-1) == 1 else t.to(torch.int64).contiguous()
-            for t in (block_tables, query_start_loc, seq_lens)]  # fmt: skip
+    meta = [build.as_int64(t) for t in (block_tables, query_start_loc, seq_lens)]
     p, i = build.POINTER, build.INT
     argtypes = [p, i, i, p, p, p, i, p, p, i, i, i, i, i, i, scalar, p, i, i]
     status = build.function(f"attention_rows_{suffix}", argtypes)(
@@ -47,8 +46,7 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapp
             or v.dtype != k.dtype or k.stride(-1) != 1 or v.stride(-1) != 1 or k.shape[0] < slot_mapping.shape[0]:
         raise ValueError(f"store_kv: k {tuple(k.shape)}, v {tuple(v.shape)}, cache {tuple(kv_cache.shape)} do not fit")
     suffix, _ = build.SCALARS[k.dtype]
-    slots = slot_mapping if slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous() else \
-        slot_mapping.to(torch.int64).contiguous()
+    slots = build.as_int64(slot_mapping)
     p, i = build.POINTER, build.INT
     build.function(f"store_kv_{suffix}", [p, i, i, p, i, i, p, i, i, i, p, p])(
         k.data_ptr(), k.stride(0), k.stride(1), v.data_ptr(), v.stride(0), v.stride(1), slots.data_ptr(),

@@ -75,6 +75,11 @@ def load() -> ctypes.CDLL | None:
     return lib
 
 
+def as_int64(t: torch.Tensor) -> torch.Tensor:
+    """Step metadata as the kernels read it: int64 with a unit last stride (``t`` itself when it already is)."""
+    return t if t.dtype == torch.int64 and t.stride(-1) == 1 else t.to(torch.int64).contiguous()
+
+
 def tracks_grad(*tensors: torch.Tensor) -> bool:
     """Whether autograd would record an op on ``tensors``: the kernels here write plain buffers, so such calls keep the
     torch ops (the engine runs under ``torch.inference_mode``)."""

@@ -16,10 +16,6 @@ def can_run(x: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor, 
         and not build.tracks_grad(x, *params) and build.load() is not None
 
 
-def _flat(t: torch.Tensor) -> torch.Tensor:
-    return t if t.dtype == torch.int64 and t.is_contiguous() else t.to(torch.int64).contiguous()
-
-
 def gdn_core(mixed_qkv: torch.Tensor, z: torch.Tensor, a: torch.Tensor, b: torch.Tensor, conv_weight: torch.Tensor,
              A_log: torch.Tensor, dt_bias: torch.Tensor, norm_weight: torch.Tensor, norm_eps: float,  # noqa: N803
              conv_state: torch.Tensor, ssm_state: torch.Tensor, query_start_loc: torch.Tensor,
@@ -38,7 +34,7 @@ def gdn_core(mixed_qkv: torch.Tensor, z: torch.Tensor, a: torch.Tensor, b: torch
         raise ValueError("mixed_qkv, z, a and b need a unit last stride, a and b one row stride")
     suffix, scalar = build.SCALARS[mixed_qkv.dtype]
     out = torch.zeros(num_tokens, num_v * dv, dtype=mixed_qkv.dtype)
-    meta = [_flat(t) for t in (query_start_loc, state_src, state_dst, state_write_start)]
+    meta = [build.as_int64(t) for t in (query_start_loc, state_src, state_dst, state_write_start)]
     params = [t.detach().contiguous() for t in (conv_weight.reshape(channels, kernel), A_log, dt_bias, norm_weight)]
     p, i = build.POINTER, build.INT
     argtypes = [p, i, p, i, p, p, i, p, p, p, p, p, i, p, i, p, p, p, p, i, i, i, i, i, i, scalar, scalar, scalar, p]

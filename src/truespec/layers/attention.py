@@ -94,8 +94,7 @@ class PagedAttention(nn.Module):
         ctx = get_forward_context()
         if decode is None and cpu_attention.can_run(q, self.kv_cache):  # short queries in one compiled call
             out = cpu_attention.attention_rows(q, self.kv_cache, *meta, self.scale, torch.zeros_like(q))
-            qsl = ctx.query_start_loc_cpu or meta[0].tolist()
-            if max(b - a for a, b in zip(qsl, qsl[1:], strict=False)) <= MAX_BATCHED_QUERY_LEN:
+            if ctx.max_query_len <= MAX_BATCHED_QUERY_LEN:
                 return out
             return attend_long_chunks(q, self.kv_cache, self._step_rows(ctx, meta), self.scale, out)
         return paged_attention_batched(q, self.kv_cache, *meta, self.scale, decode=decode,
