@@ -7,9 +7,9 @@ request joining), or only decodes / verifies.
         [--cprofile N] [--varied-lengths]
 
 Prints per kind the steps and their total and median wall time; the totals of several
-configurations (one process each) show which kind of step a method loses its time in. ``--cprofile N`` runs the
-timed pass under cProfile and prints its N functions of most cumulative host time (the wall times then include the
-profiler's overhead).
+configurations (one process each) show which kind of step a method loses its time in. ``--cprofile N`` runs each
+step of the timed pass under cProfile and prints, per kind of step, its N functions of most cumulative host time
+(the wall times then include the profiler's overhead).
 """
 
 import argparse
@@ -53,23 +53,27 @@ def main() -> None:
         return launch(sched, *a, **kw)
 
     steps: list[tuple[bool, float]] = []
+    profiles: dict[bool, pstats.Stats] = {}  # by kind: whether the step launched a prompt chunk
 
     def timed_step():  # noqa: ANN202
         launched_prompt[0] = False
+        profiler = cProfile.Profile() if args.cprofile else None
         start = time.perf_counter()
+        if profiler is not None:
+            profiler.enable()
         out = step()
+        if profiler is not None:
+            profiler.disable()
         steps.append((launched_prompt[0], 1e3 * (time.perf_counter() - start)))
+        if profiler is not None:
+            kind = launched_prompt[0]
+            profiles[kind] = profiles[kind].add(profiler) if kind in profiles else pstats.Stats(profiler)
         return out
     engine.runner.launch, engine.step = logged_launch, timed_step
-    profiler = cProfile.Profile() if args.cprofile else None
     torch.cuda.synchronize()
     start = time.perf_counter()
-    if profiler is not None:
-        profiler.enable()
     outs = llm.generate(prompts, params, use_tqdm=False)
     torch.cuda.synchronize()
-    if profiler is not None:
-        profiler.disable()
     wall = time.perf_counter() - start
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     report = {"config": args.config, "batch_size": args.batch_size, "device": torch.cuda.get_device_name(),
@@ -80,8 +84,9 @@ def main() -> None:
         if ms:
             report["kinds"][name] = k = {"steps": len(ms), "total_ms": sum(ms), "median_ms": statistics.median(ms)}
             print(f"  {name}: {k['steps']} steps, {k['total_ms']:.1f} ms, median {k['median_ms']:.3f} ms")
-    if profiler is not None:
-        pstats.Stats(profiler).sort_stats("cumulative").print_stats(args.cprofile)
+    for kind, stats in sorted(profiles.items()):
+        print(f"\n=== cProfile of the steps {'with a prompt chunk' if kind else 'with decodes / verifies only'}")
+        stats.sort_stats("cumulative").print_stats(args.cprofile)
     if args.json is not None:
         args.json.write_text(json.dumps(report, indent=1))
 

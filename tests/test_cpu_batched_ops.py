@@ -165,6 +165,16 @@ def test_batched_gdn_in_place_only_for_own_consecutive_slots() -> None:
     assert in_place([(1, -1, 3, 0)]) is None  # from zeros
 
 
+def test_batched_gdn_index_tensors_on_the_device_asked() -> None:
+    # the torch reference layers also run on CUDA (TRUESPEC_BACKEND=torch, tests/test_gpu_engine.py): a step's index
+    # tensors are built on the host and must land on the state's device ("meta" stands in for CUDA here)
+    rows = StepRows.of(StateSlots.from_tensors(*gdn_case(GDN_ROWS, torch.float32)["meta"]), 4, torch.device("meta"))
+    kept = [t for pair in rows.kept if pair is not None for t in pair if isinstance(t, torch.Tensor)]
+    tensors = [rows.time_major, rows.taps, *rows.kept_windows, *kept]
+    assert kept and all(t.device.type == "meta" for t in tensors)
+    assert rows.in_place == StepRows.of(StateSlots.from_tensors(*gdn_case(GDN_ROWS, torch.float32)["meta"]), 4).in_place
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("input_act", [None, "silu"])
 def test_cpu_projection_row_is_bitwise_same_alone_and_in_batches(dtype: torch.dtype, input_act: str | None) -> None:

@@ -132,7 +132,7 @@ class GatedDeltaNet(nn.Module):
         key = f"gdn_rows_{self.conv_kernel}"
         if key not in ctx.host_cache:
             slots = StateSlots.from_tensors(ctx.query_start_loc, ctx.state_src, ctx.state_dst, ctx.state_write_start)
-            ctx.host_cache[key] = slots, StepRows.of(slots, self.conv_kernel)
+            ctx.host_cache[key] = slots, StepRows.of(slots, self.conv_kernel, ctx.query_start_loc.device)
         return ctx.host_cache[key]
 
     def _forward_kernels(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:

@@ -82,7 +82,7 @@ def _online_softmax(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, i
         q = torch.nn.functional.pad(q, (0, 0, 0, ROWS_PER_PRODUCT - num_rows % ROWS_PER_PRODUCT))
         is_masked = torch.nn.functional.pad(is_masked, (0, 0, 0, q.shape[-2] - num_rows))  # the pad row: unmasked
     paired = (*q.shape[:2], q.shape[2] // ROWS_PER_PRODUCT, ROWS_PER_PRODUCT)  # [R, H_kv, M / 2, 2]
-    m = torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype)
+    m = torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype, device=q.device)
     l = torch.zeros_like(m)
     acc = torch.zeros_like(q)
     qp = q.view(*paired, q.shape[-1])

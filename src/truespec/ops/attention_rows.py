@@ -7,7 +7,7 @@ short chunks) in one group, each longer prefill chunk alone. A group's keys are 
 requests (S: the longest context, padded to whole tiles of ``TILE`` keys).
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 
 import torch
 
@@ -46,8 +46,10 @@ class StepAttentionRows:
     @classmethod
     def of(cls, query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor, block_size: int,
            num_kv_heads: int, group_size: int) -> "StepAttentionRows":  # fmt: skip
-        """The rows of a cache of ``block_size`` and ``num_kv_heads``, for ``group_size`` query heads per kv head."""
-        qsl, lens = query_start_loc.tolist(), seq_lens.tolist()
+        """The rows of a cache of ``block_size`` and ``num_kv_heads``, for ``group_size`` query heads per kv head;
+        built on the host, their tensors on the metadata's device (the torch reference layers on CUDA)."""
+        qsl, lens, device = query_start_loc.tolist(), seq_lens.tolist(), block_tables.device
+        block_tables = block_tables.cpu()
         reqs = [r for r in range(len(lens)) if qsl[r + 1] > qsl[r]]
         for r in reqs:
             if lens[r] < qsl[r + 1] - qsl[r]:
@@ -55,9 +57,17 @@ class StepAttentionRows:
         short = [r for r in reqs if qsl[r + 1] - qsl[r] <= MAX_BATCHED_QUERY_LEN]
         groups = ([short] if short else []) + [[r] for r in reqs if qsl[r + 1] - qsl[r] > MAX_BATCHED_QUERY_LEN]
         built = [_group_rows(g, qsl, lens, block_tables, block_size, num_kv_heads, group_size) for g in groups]
+        if device.type != "cpu":
+            built = [_to_device(g, device) for g in built]
         num_rows = sum(qsl[r + 1] - qsl[r] for r in reqs)
         is_in_order = len(built) == 1 and built[0].out_rows.tolist() == list(range(num_rows))
         return cls(built, num_rows, is_in_order)
+
+
+def _to_device(group: GroupRows, device: torch.device) -> GroupRows:
+    moved = {f.name: getattr(group, f.name).to(device) for f in fields(group)
+             if isinstance(getattr(group, f.name), torch.Tensor)}
+    return replace(group, **moved)
 
 
 def _group_rows(group: list[int], qsl: list[int], lens: list[int], block_tables: torch.Tensor, block_size: int,

@@ -44,7 +44,8 @@ class StepRows:
     in_place: slice | None = None
 
     @classmethod
-    def of(cls, slots: StateSlots, kernel_size: int) -> "StepRows":
+    def of(cls, slots: StateSlots, kernel_size: int, device: torch.device | None = None) -> "StepRows":
+        """The index tensors on ``device`` (the CPU by default; the torch reference layers on CUDA pass theirs)."""
         order = sorted(range(slots.num_reqs), key=lambda r: -slots.query_len(r))  # stable: ties keep their order
         num_tokens, width = slots.query_start_loc[-1], kernel_size - 1
         max_len = slots.query_len(order[0]) if order else 0
@@ -60,26 +61,30 @@ class StepRows:
         for t in range(max_len):
             pairs = [(i, s) for i in range(num_active[t]) if (s := slots.kept_slot(order[i], t)) is not None]
             positions = [i for i, _ in pairs]
-            at = slice(0, len(pairs)) if positions == list(range(len(pairs))) else torch.tensor(positions)
-            kept.append((at, torch.tensor([s for _, s in pairs])) if pairs else None)
+            at = slice(0, len(pairs)) if positions == list(range(len(pairs))) else _long(positions, device)
+            kept.append((at, _long([s for _, s in pairs], device)) if pairs else None)
             for i, s in pairs:
                 window_rows.append([row(order[i], t - width + 1 + j) for j in range(width)])
                 window_slots.append(s)
         src = [slots.state_src[r] for r in order]
         return cls(num_tokens, SlotGather.of(src), SlotGather.of(slots.state_src),
-                   torch.tensor(time_major, dtype=torch.long), time_major == list(range(num_tokens)), num_active,
-                   kept, torch.tensor(taps, dtype=torch.long).view(-1, kernel_size),
-                   (torch.tensor(window_rows, dtype=torch.long).view(-1, width),
-                    torch.tensor(window_slots, dtype=torch.long)), _in_place(src, kept))  # fmt: skip
+                   _long(time_major, device), time_major == list(range(num_tokens)), num_active,
+                   kept, _long(taps, device).view(-1, kernel_size),
+                   (_long(window_rows, device).view(-1, width), _long(window_slots, device)),
+                   _in_place(src, kept, window_slots))  # fmt: skip
 
 
-def _in_place(src: list[int], kept: list[tuple[torch.Tensor | slice, torch.Tensor] | None]) -> slice | None:
+def _long(values: list, device: torch.device | None) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.long, device=device)
+
+
+def _in_place(src: list[int], kept: list[tuple[torch.Tensor | slice, torch.Tensor] | None],
+              kept_slots: list[int]) -> slice | None:
     """``StepRows.in_place``: the slots src[0] .. src[0] + R - 1 when one step keeps every request's state in its
     source slot and those are consecutive (each request then reads and writes only its own slot)."""
     if len(kept) != 1 or kept[0] is None or not src or src[0] < 0:
         return None
-    at, dst = kept[0]
-    is_own = at == slice(0, len(src)) and src == list(range(src[0], src[0] + len(src))) and dst.tolist() == src
+    is_own = kept[0][0] == slice(0, len(src)) and src == list(range(src[0], src[0] + len(src))) and kept_slots == src
     return slice(src[0], src[0] + len(src)) if is_own else None
 
 
