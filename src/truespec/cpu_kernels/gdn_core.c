@@ -7,14 +7,17 @@
  * nothing). Every source slot is copied before any slot is written. A token's arithmetic depends on its request's
  * inputs only, in a fixed order (sums over a head's dims first to last, conv taps oldest first), so a row's bits never
  * depend on the rest of the step. Compiled with -ffp-contract=off: no fused multiply-add, the same bits on every x86
- * or ARM machine (vectorisation here only runs independent lanes side by side).
+ * or ARM machine (vectorisation here only runs independent lanes side by side: the conv runs channel-parallel, tap
+ * by tap, and its SiLUs and the output gate's use vexp.h's arithmetic exp, which vectorises where libm's does not).
  */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
-#define DEFINE_GDN_CORE(T, SUFFIX, EXP, SQRT, LOG1P)                                                                 \
+#include "vexp.h"
+
+#define DEFINE_GDN_CORE(T, SUFFIX, EXP, SILU, SQRT, LOG1P)                                                           \
     int gdn_core_##SUFFIX(                                                                                           \
         const T *x, int64_t ld_x,           /* [tokens, C] conv inputs q | k | v, row stride ld_x */                 \
         const T *z, int64_t ld_z,           /* [tokens, HV * DV] the output gate */                                  \
@@ -28,10 +31,6 @@
         int64_t HK, int64_t HV, int64_t DK, int64_t DV, int64_t K, T scale, T norm_eps, T l2_eps,                 \
         T *out /* [tokens, HV * DV]: rows of the requests' tokens written, others left as they are */) {          \
         const int64_t C = 2 * HK * DK + HV * DV, W = K - 1, S = HV * DK * DV, rep = HV / HK;                       \
-        T *windows = malloc(sizeof(T) * (R * C * W + R * S + C + 2 * HK * DK + 2 * DV));                          \
-        if (!windows) return 1;                                                                                      \
-        T *states = windows + R * C * W, *y = states + R * S, *qn = y + C, *kn = qn + HK * DK;                    \
-        T *kv = kn + HK * DK, *o = kv + DV;                                                                          \
         /* A plain decode batch (every request one token, kept in its own source slot, no slot shared) updates its    \
          * slots where they are; any other step first copies every source (every read before any write). */        \
         int in_place = 1;                                                                                            \
@@ -40,6 +39,13 @@
             in_place = len == 0 || (len == 1 && src[r] >= 0 && dst[r] == src[r] && wstart[r] == 0);                \
             for (int64_t o = 0; o < r && in_place && len; o++) in_place = qsl[o + 1] == qsl[o] || src[o] != src[r]; \
         }                                                                                                            \
+        /* per-token scratch; copies of the sources only where slots are not updated in place (no large allocation,    \
+         * and so no mmap / munmap, for a plain decode batch) */                                                       \
+        T *y = malloc(sizeof(T) * (C + 2 * HK * DK + 2 * DV));                                                       \
+        T *windows = in_place ? 0 : malloc(sizeof(T) * (R * C * W + R * S));                                        \
+        if (!y || (!in_place && !windows)) { free(y); free(windows); return 1; }                                    \
+        T *states = in_place ? 0 : windows + R * C * W, *qn = y + C, *kn = qn + HK * DK, *kv = kn + HK * DK;         \
+        T *o = kv + DV;                                                                                              \
         for (int64_t r = 0; r < R && !in_place; r++) { /* every read of a source slot before any write */          \
             if (src[r] >= 0) {                                                                                       \
                 memcpy(windows + r * C * W, conv_state + src[r] * conv_slot, sizeof(T) * C * W);                    \
@@ -55,14 +61,16 @@
             for (int64_t t = 0; t < qsl[r + 1] - qsl[r]; t++) {                                                      \
                 const int64_t row = qsl[r] + t;                                                                      \
                 const T *xt = x + row * ld_x;                                                                        \
-                for (int64_t c = 0; c < C; c++) { /* w_0 x_0 + ... + w_K-1 x_t, oldest first; then SiLU */         \
-                    const T *wc = conv_w + c * K, *wn = win + c * W;                                                 \
-                    T acc = W ? wc[0] * wn[0] : wc[0] * xt[c];                                                       \
-                    for (int64_t j = 1; j < W; j++) acc = acc + wc[j] * wn[j];                                      \
-                    if (W) acc = acc + wc[W] * xt[c];                                                                \
-                    y[c] = acc / ((T)1 + EXP(-acc));                                                                 \
+                /* y_c = w_0 x_0 + ... + w_K-1 x_t (oldest first), tap by tap over all channels; then SiLU */        \
+                for (int64_t c = 0; c < C; c++) y[c] = conv_w[c * K] * (W ? win[c * W] : xt[c]);                  \
+                for (int64_t j = 1; j < W; j++)                                                                      \
+                    for (int64_t c = 0; c < C; c++) y[c] = y[c] + conv_w[c * K + j] * win[c * W + j];              \
+                if (W)                                                                                               \
+                    for (int64_t c = 0; c < C; c++) y[c] = y[c] + conv_w[c * K + W] * xt[c];                       \
+                for (int64_t c = 0; c < C; c++) y[c] = SILU(y[c]);                                                  \
+                for (int64_t c = 0; W && c < C; c++) { /* the window moves on by this token */                      \
                     for (int64_t j = 0; j + 1 < W; j++) win[c * W + j] = win[c * W + j + 1];                        \
-                    if (W) win[c * W + W - 1] = xt[c];                                                               \
+                    win[c * W + W - 1] = xt[c];                                                                      \
                 }                                                                                                    \
                 for (int64_t h = 0; h < HK; h++) { /* l2norm(q) * scale, l2norm(k) per key head */                  \
                     const T *qh = y + h * DK, *kh = y + HK * DK + h * DK;                                            \
@@ -96,7 +104,7 @@
                     const T *zh = z + row * ld_z + h * DV;                                                           \
                     T *oh = out + row * HV * DV + h * DV;                                                            \
                     for (int64_t dv = 0; dv < DV; dv++)                                                              \
-                        oh[dv] = norm_w[dv] * (o[dv] * inv) * (zh[dv] / ((T)1 + EXP(-zh[dv])));                     \
+                        oh[dv] = norm_w[dv] * (o[dv] * inv) * SILU(zh[dv]);                     \
                 }                                                                                                    \
                 if (!in_place && dst[r] >= 0 && t >= wstart[r]) {                                                    \
                     const int64_t slot = dst[r] + t - wstart[r];                                                     \
@@ -105,9 +113,10 @@
                 }                                                                                                    \
             }                                                                                                        \
         }                                                                                                            \
+        free(y);                                                                                                     \
         free(windows);                                                                                               \
         return 0;                                                                                                    \
     }
 
-DEFINE_GDN_CORE(float, f32, expf, sqrtf, log1pf)
-DEFINE_GDN_CORE(double, f64, exp, sqrt, log1p)
+DEFINE_GDN_CORE(float, f32, expf, vsilu_f32, sqrtf, log1pf)
+DEFINE_GDN_CORE(double, f64, exp, vsilu_f64, sqrt, log1p)
