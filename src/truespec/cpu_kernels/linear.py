@@ -56,6 +56,11 @@ def _packed(weight: torch.Tensor) -> _Packed:
     return weight._truespec_packed
 
 
+def packed_address(weight: torch.Tensor) -> int:
+    """The address of the weight's packed copy (gdn_layer.c reads it; the copy lives on the weight)."""
+    return _packed(weight).address
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """[M, N] in x's dtype. Check ``can_run`` first."""
     w = _packed(weight)

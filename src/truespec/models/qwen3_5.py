@@ -9,6 +9,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from truespec.cpu_kernels import gdn_layer as cpu_gdn_layer
+from truespec.forward_context import get_forward_context
 from truespec.layers.activation import sigmoid_gate
 from truespec.layers.attention import PagedAttention
 from truespec.layers.gdn import GatedDeltaNet
@@ -76,11 +78,37 @@ class Qwen3_5DecoderLayer(nn.Module):
         self, h: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The residual-stream protocol of ``base.run_decoder_layers``: returns (MLP output, residual)."""
+        if self.layer_type == "linear_attention" and h.device.type == "cpu":
+            whole = self._cpu_gdn_layer(h, residual)
+            if whole is not None:
+                return whole
         x, residual = self.input_layernorm.add_norm(h, residual)
         is_linear = self.layer_type == "linear_attention"
         h = self.linear_attn(x) if is_linear else self.self_attn(x, cos, sin)
         x, residual = self.post_attention_layernorm.add_norm(h, residual)
         return self.mlp(x), residual
+
+
+    def _cpu_gdn_layer(self, h: torch.Tensor,
+                       residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The whole GDN layer in one compiled call (cpu_kernels/gdn_layer.py) where its kernels take every stage (a
+        property of the layer's weights and dtype, not of the step); None: the stage-by-stage path."""
+        gdn, mlp = self.linear_attn, self.mlp
+        projections = (gdn.in_proj, gdn.out_proj, mlp.gate_up_proj, mlp.down_proj)
+        if gdn.hidden_act != "silu" or mlp.hidden_act != "silu" or any(m.bias is not None for m in projections) \
+                or gdn.conv_state is None or gdn.ssm_state is None \
+                or (residual is not None and (residual.shape != h.shape or residual.dtype != h.dtype)):
+            return None
+        norm, post = self.input_layernorm, self.post_attention_layernorm
+        w = cpu_gdn_layer.GdnLayerWeights(
+            norm.weight, norm.eps, norm.unit_offset, post.weight, post.eps, post.unit_offset,
+            *(m.weight for m in projections), gdn.conv1d.weight, gdn.A_log, gdn.dt_bias, gdn.norm.weight, gdn.norm.eps,
+            (gdn.num_k_heads, gdn.num_v_heads, gdn.head_k_dim, gdn.head_v_dim))  # fmt: skip
+        if not cpu_gdn_layer.can_run(h, w, gdn.conv_state, gdn.ssm_state):
+            return None
+        ctx = get_forward_context()
+        meta = (ctx.query_start_loc, ctx.state_src, ctx.state_dst, ctx.state_write_start)
+        return cpu_gdn_layer.gdn_layer(h, residual, w, gdn.conv_state, gdn.ssm_state, meta)
 
 
 class Qwen3_5TextModel(DecoderModel):
