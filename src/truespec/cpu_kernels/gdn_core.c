@@ -41,9 +41,14 @@
         }                                                                                                            \
         /* per-token scratch; copies of the sources only where slots are not updated in place (no large allocation,    \
          * and so no mmap / munmap, for a plain decode batch) */                                                       \
-        T *y = malloc(sizeof(T) * (C + 2 * HK * DK + 2 * DV));                                                       \
+        /* The scratch at a fixed place in a page: from the heap, its address bits 0-11 against the state rows the   \
+         * delta rule streams varied by process, and some processes ran the core ~1.6x slower (4K aliasing of the   \
+         * accumulators' stores with those loads; benchmarks/cpu_kernel_speed.py: 120 or 190-200 us at 16 decodes) */ \
+        void *block = 0;                                                                                             \
+        if (posix_memalign(&block, 4096, sizeof(T) * (C + 2 * HK * DK + 2 * DV) + 64)) block = 0;                  \
+        T *y = block ? (T *)((char *)block + 64) : 0;                                                                \
         T *windows = in_place ? 0 : malloc(sizeof(T) * (R * C * W + R * S));                                        \
-        if (!y || (!in_place && !windows)) { free(y); free(windows); return 1; }                                    \
+        if (!y || (!in_place && !windows)) { free(block); free(windows); return 1; }                                \
         T *states = in_place ? 0 : windows + R * C * W, *qn = y + C, *kn = qn + HK * DK, *kv = kn + HK * DK;         \
         T *o = kv + DV;                                                                                              \
         for (int64_t r = 0; r < R && !in_place; r++) { /* every read of a source slot before any write */          \
@@ -113,7 +118,7 @@
                 }                                                                                                    \
             }                                                                                                        \
         }                                                                                                            \
-        free(y);                                                                                                     \
+        free(block);                                                                                                 \
         free(windows);                                                                                               \
         return 0;                                                                                                    \
     }
