@@ -1,10 +1,11 @@
 """A whole Qwen3.5 GDN decoder layer for a step in one compiled call (gdn_layer.c): the CPU path of
 models/qwen3_5.Qwen3_5DecoderLayer where every stage has its kernel (norm.py, linear.py, gdn.py would each take it).
 
-Per call Python builds nothing but the output buffers: the layer was ~25 calls (norms, four projections, the GDN core,
-the MLP's act * mul), and their argument checks, allocations and module calls cost more than the arithmetic of a small
-model (BENCHMARKS.md, session 22). Whether a layer takes this path depends on its weights and dtype only, never on the
-step (a row's bits must not depend on the rest of its batch), so a layer takes it for every step or for none.
+Python's part of a call is its argument list and two output buffers: the layer was ~25 calls (norms, four projections,
+the GDN core, the MLP's act * mul), and their argument checks, allocations and module calls cost more than the
+arithmetic of a small model (BENCHMARKS.md, session 22). Whether a layer takes this path depends on its weights and
+dtype only, never on the step (a row's bits must not depend on the rest of its batch), so a layer takes it for every
+step or for none.
 """
 
 import ctypes

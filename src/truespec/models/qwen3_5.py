@@ -88,7 +88,6 @@ class Qwen3_5DecoderLayer(nn.Module):
         x, residual = self.post_attention_layernorm.add_norm(h, residual)
         return self.mlp(x), residual
 
-
     def _cpu_gdn_layer(self, h: torch.Tensor,
                        residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The whole GDN layer in one compiled call (cpu_kernels/gdn_layer.py) where its kernels take every stage (a
