@@ -4,6 +4,7 @@ prefill chunks, an inert row, padding rows), with and without an incoming residu
 rows and kept states bitwise the same alone and inside the batch (invariant 4); bad shapes named."""
 
 from types import SimpleNamespace
+from unittest import mock
 
 import pytest
 import torch
@@ -42,7 +43,8 @@ def run(layer: Qwen3_5DecoderLayer, states: tuple, rows: list, h: torch.Tensor, 
     gdn.conv_state, gdn.ssm_state = (s.clone() for s in states)
     monkeypatch.setattr(cpu_gdn_layer, "ENABLED", whole)
     calls = []
-    monkeypatch.setattr(cpu_gdn_layer, "gdn_layer", lambda *a, f=cpu_gdn_layer.gdn_layer: calls.append(1) or f(*a))
+    call = cpu_gdn_layer.GdnLayerCall.__call__
+    monkeypatch.setattr(cpu_gdn_layer.GdnLayerCall, "__call__", lambda *a, f=call: calls.append(1) or f(*a))
     with set_forward_context(make_context(state_batch(rows), h.shape[0])):
         out, res = layer(h, residual, None, None)
     assert len(calls) == int(whole)
@@ -98,3 +100,37 @@ def test_bad_shapes_are_named() -> None:
     meta = tuple(torch.tensor(x) for x in ([0, 1], [3], [3], [0]))
     with torch.no_grad(), pytest.raises(ValueError, match=r"out_proj \(24, 39\) \(expected \(24, 40\)\)"):
         cpu_gdn_layer.gdn_layer(torch.randn(1, HIDDEN), None, w, conv, ssm, meta)
+
+
+@pytest.mark.parametrize("change", ["none", "in_place", "replaced", "data", "states"])
+@torch.no_grad()
+def test_kept_call_follows_changed_weights_and_states(change: str) -> None:
+    # the layer keeps its compiled call between steps: a weight changed in place, a replaced parameter, new data under
+    # the same parameter, or newly bound states must each rebuild it and give the changed layer's result
+    dtype = torch.float64
+    layer, states = decoder_layer(dtype)
+    gdn, mlp = layer.linear_attn, layer.mlp
+    h = torch.randn(sum(r[0] for r in DECODES), HIDDEN, generator=torch.Generator().manual_seed(4), dtype=dtype)
+    context = make_context(state_batch(DECODES), h.shape[0])
+    gdn.conv_state, gdn.ssm_state = (s.clone() for s in states)
+    with set_forward_context(context):
+        layer(h, None, None, None)  # builds and keeps the call
+    kept = layer._cpu_call
+    if change == "in_place":
+        mlp.down_proj.weight.mul_(-2.0)
+    elif change == "replaced":
+        gdn.A_log = torch.nn.Parameter(gdn.A_log + 0.5)
+    elif change == "data":
+        layer.input_layernorm.weight.data = layer.input_layernorm.weight.data + 1.0
+    elif change == "states":
+        gdn.conv_state, gdn.ssm_state = gdn.conv_state.clone(), gdn.ssm_state.clone()
+    before = (gdn.conv_state.clone(), gdn.ssm_state.clone())
+    with set_forward_context(context):
+        got = layer(h, None, None, None)
+    assert (layer._cpu_call is kept) == (change == "none")
+    got_states = (gdn.conv_state.clone(), gdn.ssm_state.clone())
+    gdn.conv_state, gdn.ssm_state = before
+    with set_forward_context(context), mock.patch.object(cpu_gdn_layer, "ENABLED", False):
+        expected = layer(h, None, None, None)
+    for a, b in zip((*got, *got_states), (*expected, gdn.conv_state, gdn.ssm_state), strict=True):
+        assert_near(a, b, dtype)

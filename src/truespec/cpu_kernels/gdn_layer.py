@@ -55,45 +55,76 @@ def can_run(h: torch.Tensor, w: GdnLayerWeights, conv_state: torch.Tensor, ssm_s
         and ssm_state[0].is_contiguous() and not build.tracks_grad(h, *weights)
 
 
+def tensor_key(weights: list[torch.Tensor], states: list[torch.Tensor]) -> tuple:
+    """What a ``GdnLayerCall`` binds of its tensors: each weight's identity, storage and version (a replaced, moved
+    or in-place changed weight moves it), each state's identity and storage (the kernel updates states in place)."""
+    return (*((id(t), t.data_ptr(), t._version) for t in weights), *((id(t), t.data_ptr()) for t in states))
+
+
+class GdnLayerCall:
+    """``gdn_layer`` for one layer with everything the step does not change bound once (the weights' packed copies
+    and pointers, the shapes, the function), for a caller that keeps it while ``key`` (``tensor_key`` of the tensors
+    it was built from) stays the same."""
+
+    def __init__(self, w: GdnLayerWeights, conv_state: torch.Tensor, ssm_state: torch.Tensor) -> None:
+        _check_shapes(w, conv_state)
+        num_k, num_v, dk, dv = w.heads
+        dim, kernel = w.input_norm.shape[0], w.conv.shape[-1]
+        self.inter, self.n_in = w.down.shape[1], w.in_proj.shape[0]
+        matrices = (w.in_proj, w.out_proj, w.gate_up, w.down)
+        vectors = (w.input_norm, w.post_norm, w.conv, w.A_log, w.dt_bias, w.gated_norm)
+        self.tensors = (*vectors, *matrices)  # the weights (the caller asks autograd about them per call)
+        self.key = tensor_key(list(self.tensors), [conv_state, ssm_state])
+        self.dtype, self.dim, self.value_dim = w.in_proj.dtype, dim, num_v * dv
+        self._kept = [t.detach().contiguous() for t in vectors]  # the pointers below read these
+        packed = [cpu_linear.packed_address(m) for m in matrices]
+        suffix, scalar = build.SCALARS[self.dtype]
+        p, i, flag = build.POINTER, build.INT, ctypes.c_int
+        self.fn = build.function(f"gdn_layer_{suffix}", [p, p, i, i, p, scalar, flag, p, scalar, flag, p, i, p, p, i,
+                                                         p, p, p, p, p, scalar, p, i, p, i, p, p, p, p, i, i, i, i, i,
+                                                         i, scalar, scalar, p, p, p])  # fmt: skip
+        kept = [t.data_ptr() for t in self._kept]
+        self.weight_args = (kept[0], w.input_norm_eps, int(w.input_norm_unit), kept[1], w.post_norm_eps,
+                            int(w.post_norm_unit), packed[0], self.n_in, packed[1], packed[2], self.inter, packed[3],
+                            *kept[2:], w.gated_norm_eps, conv_state.data_ptr(), conv_state.stride(0),
+                            ssm_state.data_ptr(), ssm_state.stride(0))  # fmt: skip
+        self.shape_args = (num_k, num_v, dk, dv, kernel, dk**-0.5, L2NORM_EPS)
+
+    def __call__(self, h: torch.Tensor, residual: torch.Tensor | None,
+                 meta: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """``gdn_layer``'s result for this step (h [M, D] of the layer's dtype on the CPU: checked by the caller)."""
+        h = h.contiguous()
+        residual = None if residual is None else residual.contiguous()
+        num_rows = h.shape[0]
+        work = _work_buffer(num_rows * (3 * self.dim + self.n_in + self.value_dim + 3 * self.inter), h.dtype)
+        out, residual_out = torch.empty_like(h), torch.empty_like(h)
+        metadata = [build.as_int64(t) for t in meta]
+        status = self.fn(h.data_ptr(), None if residual is None else residual.data_ptr(), num_rows, self.dim,
+                         *self.weight_args, *(t.data_ptr() for t in metadata), metadata[1].shape[0], *self.shape_args,
+                         work.data_ptr(), out.data_ptr(), residual_out.data_ptr())  # fmt: skip
+        if status:
+            raise MemoryError("gdn_layer: the CPU kernel could not allocate its scratch buffers")
+        return out, residual_out
+
+
+def _check_shapes(w: GdnLayerWeights, conv_state: torch.Tensor) -> None:
+    num_k, num_v, dk, dv = w.heads
+    dim, inter = w.input_norm.shape[0], w.down.shape[1]
+    channels, kernel = 2 * num_k * dk + num_v * dv, w.conv.shape[-1]
+    shapes = {"in_proj": (w.in_proj.shape, (channels + num_v * dv + 2 * num_v, dim)),
+              "out_proj": (w.out_proj.shape, (dim, num_v * dv)), "gate_up": (w.gate_up.shape, (2 * inter, dim)),
+              "down": (w.down.shape, (dim, inter)), "conv_state": (conv_state.shape[1:], (channels, kernel - 1))}
+    wrong = [f"{name} {tuple(got)} (expected {want})" for name, (got, want) in shapes.items() if tuple(got) != want]
+    if wrong:
+        raise ValueError(f"gdn_layer: {', '.join(wrong)} for hidden size {dim} and heads {w.heads}")
+
+
 def gdn_layer(h: torch.Tensor, residual: torch.Tensor | None, w: GdnLayerWeights, conv_state: torch.Tensor,
               ssm_state: torch.Tensor, meta: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor]:
     """(MLP output, residual stream after the GDN) as the layer's forward returns them, updating the states by the slot
     protocol (layers/gdn.py); ``meta`` = (query_start_loc, state_src, state_dst, state_write_start). Check
-    ``can_run`` first."""
-    num_k, num_v, dk, dv = w.heads
-    (num_rows, dim), inter = h.shape, w.down.shape[1]
-    channels, kernel = 2 * num_k * dk + num_v * dv, w.conv.shape[-1]
-    shapes = {"in_proj": (w.in_proj.shape, (channels + num_v * dv + 2 * num_v, dim)),
-              "out_proj": (w.out_proj.shape, (dim, num_v * dv)), "gate_up": (w.gate_up.shape, (2 * inter, dim)),
-              "conv_state": (conv_state.shape[1:], (channels, kernel - 1))}
-    wrong = [f"{name} {tuple(got)} (expected {want})" for name, (got, want) in shapes.items() if tuple(got) != want]
-    if wrong:
-        raise ValueError(f"gdn_layer: {', '.join(wrong)} for hidden size {dim} and heads {w.heads}")
-    h = h.contiguous()
-    residual = None if residual is None else residual.contiguous()
-    packed = [cpu_linear.packed_address(m) for m in (w.in_proj, w.out_proj, w.gate_up, w.down)]
-    n_in = w.in_proj.shape[0]
-    work = _work_buffer(num_rows * (3 * dim + n_in + num_v * dv + 3 * inter), h.dtype)
-    out, residual_out = torch.empty_like(h), torch.empty_like(h)
-    metadata = [build.as_int64(t) for t in meta]
-    vectors = [t.detach().contiguous() for t in (w.input_norm, w.post_norm, w.conv, w.A_log, w.dt_bias, w.gated_norm)]
-    suffix, scalar = build.SCALARS[h.dtype]
-    p, i, flag = build.POINTER, build.INT, ctypes.c_int
-    argtypes = [p, p, i, i, p, scalar, flag, p, scalar, flag, p, i, p, p, i, p, p, p, p, p, scalar, p, i, p, i,
-                p, p, p, p, i, i, i, i, i, i, scalar, scalar, p, p, p]
-    status = build.function(f"gdn_layer_{suffix}", argtypes)(
-        h.data_ptr(), None if residual is None else residual.data_ptr(), num_rows, dim,
-        vectors[0].data_ptr(), w.input_norm_eps, int(w.input_norm_unit),
-        vectors[1].data_ptr(), w.post_norm_eps, int(w.post_norm_unit),
-        packed[0], n_in, packed[1], packed[2], inter, packed[3],
-        *(t.data_ptr() for t in vectors[2:5]), vectors[5].data_ptr(), w.gated_norm_eps,
-        conv_state.data_ptr(), conv_state.stride(0), ssm_state.data_ptr(), ssm_state.stride(0),
-        *(t.data_ptr() for t in metadata), metadata[1].shape[0], num_k, num_v, dk, dv, kernel, dk**-0.5, L2NORM_EPS,
-        work.data_ptr(), out.data_ptr(), residual_out.data_ptr(),
-    )  # fmt: skip
-    if status:
-        raise MemoryError("gdn_layer: the CPU kernel could not allocate its scratch buffers")
-    return out, residual_out
+    ``can_run`` first; a caller that runs a layer every step keeps its ``GdnLayerCall`` instead."""
+    return GdnLayerCall(w, conv_state, ssm_state)(h, residual, meta)
 
 
 def _work_buffer(numel: int, dtype: torch.dtype) -> torch.Tensor:
