@@ -134,3 +134,19 @@ def test_kept_call_follows_changed_weights_and_states(change: str) -> None:
         expected = layer(h, None, None, None)
     for a, b in zip((*got, *got_states), (*expected, gdn.conv_state, gdn.ssm_state), strict=True):
         assert_near(a, b, dtype)
+
+
+def test_inference_tensor_weights_keep_the_stage_by_stage_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    # weights made under torch.inference_mode have no version counter, so a kept call could not see them change:
+    # such a layer takes the stage-by-stage path (as linear.py's packed copies do)
+    calls = []
+    call = cpu_gdn_layer.GdnLayerCall.__call__
+    monkeypatch.setattr(cpu_gdn_layer.GdnLayerCall, "__call__", lambda *a, f=call: calls.append(1) or f(*a))
+    with torch.inference_mode():
+        layer, states = decoder_layer(torch.float32)
+        gdn = layer.linear_attn
+        gdn.conv_state, gdn.ssm_state = states
+        h = torch.randn(sum(r[0] for r in DECODES), HIDDEN, generator=torch.Generator().manual_seed(6))
+        with set_forward_context(make_context(state_batch(DECODES), h.shape[0])):
+            out, _ = layer(h, None, None, None)
+    assert not calls and layer._cpu_call is None and out.isfinite().all()

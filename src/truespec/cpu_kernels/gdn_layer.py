@@ -55,9 +55,12 @@ def can_run(h: torch.Tensor, w: GdnLayerWeights, conv_state: torch.Tensor, ssm_s
         and ssm_state[0].is_contiguous() and not build.tracks_grad(h, *weights)
 
 
-def tensor_key(weights: list[torch.Tensor], states: list[torch.Tensor]) -> tuple:
+def tensor_key(weights: list[torch.Tensor], states: list[torch.Tensor]) -> tuple | None:
     """What a ``GdnLayerCall`` binds of its tensors: each weight's identity, storage and version (a replaced, moved
-    or in-place changed weight moves it), each state's identity and storage (the kernel updates states in place)."""
+    or in-place changed weight moves it), each state's identity and storage (the kernel updates states in place).
+    None for inference-tensor weights, which have no version (they keep the stage-by-stage path, as in linear.py)."""
+    if any(t.is_inference() for t in weights):
+        return None
     return (*((id(t), t.data_ptr(), t._version) for t in weights), *((id(t), t.data_ptr()) for t in states))
 
 

@@ -103,12 +103,16 @@ class GatedDeltaNet(nn.Module):
         dtype = self.out_proj.weight.dtype
         return dtype, compute_dtype(dtype)
 
+    def takes_kernels(self, x: torch.Tensor) -> bool:
+        """Whether ``forward`` runs the Triton kernels on ``x`` (CUDA; tests force them on the CPU)."""
+        return use_kernels(x)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, hidden_size] -> [T, hidden_size]; rows past the context's tokens stay zero before out_proj.
         if self.conv_state is None or self.ssm_state is None:
             raise RuntimeError("GatedDeltaNet conv_state/ssm_state are not bound: the model runner must bind them")
         ctx = get_forward_context()
-        if use_kernels(x):
+        if self.takes_kernels(x):
             return self._forward_kernels(x, ctx)
         mixed_qkv, z, b, a = self.in_proj.split(self.in_proj(x))  # [T, conv_dim], [T, value_dim], [T, HV] x 2
         weights = (self.conv1d.weight, self.A_log, self.dt_bias, self.norm.weight)  # what the C kernel reads

@@ -100,11 +100,14 @@ class Qwen3_5DecoderLayer(nn.Module):
         gdn = self.linear_attn
         states = [gdn.conv_state, gdn.ssm_state]
         if not cpu_gdn_layer.ENABLED or states[0] is None or states[1] is None or h.dim() != 2 \
-                or (residual is not None and (residual.shape != h.shape or residual.dtype != h.dtype)):
+                or (residual is not None and (residual.shape != h.shape or residual.dtype != h.dtype)) \
+                or gdn.takes_kernels(h):
             return None
         if self._cpu_sources is None:  # where each weight the kernel reads lives (read per call without __getattr__)
             self._cpu_sources = [(m._parameters, name) for m, name in self._cpu_weight_owners()]
         key = cpu_gdn_layer.tensor_key([params[name] for params, name in self._cpu_sources], states)
+        if key is None:
+            return None
         if self._cpu_call is None or self._cpu_call[0] != key:
             self._cpu_call = (key, self._build_cpu_call(h, states))
         call = self._cpu_call[1]
