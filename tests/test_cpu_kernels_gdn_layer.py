@@ -115,7 +115,7 @@ def test_kept_call_follows_changed_weights_and_states(change: str) -> None:
     gdn.conv_state, gdn.ssm_state = (s.clone() for s in states)
     with set_forward_context(context):
         layer(h, None, None, None)  # builds and keeps the call
-    kept = layer._cpu_call
+    kept = layer.cpu_calls.kept("gdn_layer")
     if change == "in_place":
         mlp.down_proj.weight.mul_(-2.0)
     elif change == "replaced":
@@ -127,7 +127,7 @@ def test_kept_call_follows_changed_weights_and_states(change: str) -> None:
     before = (gdn.conv_state.clone(), gdn.ssm_state.clone())
     with set_forward_context(context):
         got = layer(h, None, None, None)
-    assert (layer._cpu_call is kept) == (change == "none")
+    assert (layer.cpu_calls.kept("gdn_layer") is kept) == (change == "none")
     got_states = (gdn.conv_state.clone(), gdn.ssm_state.clone())
     gdn.conv_state, gdn.ssm_state = before
     with set_forward_context(context), mock.patch.object(cpu_gdn_layer, "ENABLED", False):
@@ -149,4 +149,4 @@ def test_inference_tensor_weights_keep_the_stage_by_stage_path(monkeypatch: pyte
         h = torch.randn(sum(r[0] for r in DECODES), HIDDEN, generator=torch.Generator().manual_seed(6))
         with set_forward_context(make_context(state_batch(DECODES), h.shape[0])):
             out, _ = layer(h, None, None, None)
-    assert not calls and layer._cpu_call is None and out.isfinite().all()
+    assert not calls and layer.cpu_calls.kept("gdn_layer") is None and out.isfinite().all()

@@ -19,6 +19,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import threading
 import warnings
 from pathlib import Path
 
@@ -27,6 +28,7 @@ import torch
 SOURCES = sorted(Path(__file__).resolve().parent.glob("*.c"))
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fPIC", "-shared")
 POINTER, INT = ctypes.c_void_p, ctypes.c_int64
+_scratch = threading.local()  # work_buffer's, per thread
 SCALARS = {torch.float32: ("f32", ctypes.c_float), torch.float64: ("f64", ctypes.c_double)}
 
 
@@ -96,3 +98,23 @@ def function(name: str, argtypes: list) -> ctypes._CFuncPtr | None:
     if fn.argtypes != argtypes:
         fn.argtypes, fn.restype = argtypes, ctypes.c_int
     return fn
+
+
+def tensor_key(weights: list[torch.Tensor], states: list[torch.Tensor]) -> tuple | None:
+    """What a kept kernel call (gdn_layer.py, mlp_block.py) binds of its tensors: each weight's identity, storage and
+    version (a replaced, moved or in-place changed weight moves it), each state's identity and storage (kernels update
+    states in place). None for inference-tensor weights, which have no version (they keep the stage-by-stage path,
+    as in linear.py)."""
+    if any(t.is_inference() for t in weights):
+        return None
+    return (*((id(t), t.data_ptr(), t._version) for t in weights), *((id(t), t.data_ptr()) for t in states))
+
+
+def work_buffer(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """At least ``numel`` elements of ``dtype``, reused by this thread's kernel calls (each call finishes with it
+    before the next starts): a fresh buffer of > 128 KB each call was mmap-ed and faulted in. Kept at the largest size
+    asked."""
+    buf = getattr(_scratch, "buf", None)
+    if buf is None or buf.dtype != dtype or buf.numel() < numel:
+        buf = _scratch.buf = torch.empty(numel, dtype=dtype)
+    return buf

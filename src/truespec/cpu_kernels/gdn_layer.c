@@ -1,14 +1,12 @@
 /* A whole Qwen3.5 Gated DeltaNet decoder layer for a step on the CPU in one call (build.py builds it, gdn_layer.py
  * calls it; models/qwen3_5.py's Qwen3_5DecoderLayer is the layer): add + RMSNorm, in_proj, the GDN core, out_proj,
- * add + RMSNorm, and the SwiGLU MLP, with no Python between the stages (one layer was ~25 torch and ctypes calls,
+ * add + RMSNorm, and the SwiGLU MLP (mlp_block.c), with no Python between the stages (one layer was ~25 torch and ctypes calls,
  * most of a small model's decode step on the CPU). Each stage is the function that computes it alone (norm_core.c,
  * linear_core.c, gdn_core.c), on the same rows in the same order, so a row's bits never depend on the rest of the
  * step, as in each of them; the MLP's act(gate) * up is SiLU from vexp.h, then the product.
  */
 #include <stdint.h>
 #include <string.h>
-
-#include "vexp.h"
 
 #define DECLARE_STAGES(T, SUFFIX)                                                                                   \
     int rms_norm_##SUFFIX(const T *x, int64_t ld_x, const T *residual, int64_t ld_res, const T *w, int64_t M,     \
@@ -19,9 +17,12 @@
                           const T *conv_w, const T *A_log, const T *dt_bias, const T *norm_w, T *conv_state,        \
                           int64_t conv_slot, T *ssm_state, int64_t ssm_slot, const int64_t *qsl, const int64_t *src, \
                           const int64_t *dst, const int64_t *wstart, int64_t R, int64_t HK, int64_t HV, int64_t DK, \
-                          int64_t DV, int64_t K, T scale, T norm_eps, T l2_eps, T *out);
+                          int64_t DV, int64_t K, T scale, T norm_eps, T l2_eps, T *out);                     \
+    int mlp_block_##SUFFIX(const T *x, const T *stream, int64_t M, int64_t D, const T *norm_w, T norm_eps,         \
+                           int norm_unit, const T *gate_up_packed, int64_t I, const T *down_packed, T *work,   \
+                           T *out, T *stream_out);
 
-#define DEFINE_GDN_LAYER(T, SUFFIX, SILU)                                                                            \
+#define DEFINE_GDN_LAYER(T, SUFFIX)                                                                                  \
     DECLARE_STAGES(T, SUFFIX)                                                                                        \
     int gdn_layer_##SUFFIX(                                                                                          \
         const T *h, const T *residual, int64_t M, int64_t D, /* [M, D] in; residual NULL: h starts the stream */    \
@@ -36,7 +37,6 @@
         T *out, T *residual_out /* [M, D] each: the MLP's output, the stream after the GDN (the layer's result) */) { \
         const int64_t C = 2 * HK * DK + HV * DV, VD = HV * DV;                                                      \
         T *x1 = work, *proj = x1 + M * D, *core = proj + M * N_in, *attn = core + M * VD, *x2 = attn + M * D;        \
-        T *gate_up = x2 + M * D, *act = gate_up + M * 2 * I;                                                         \
         /* the stream before the GDN: residual + h (kept in residual_out, which the second add updates in place) */ \
         rms_norm_##SUFFIX(h, D, residual, D, norm_w, M, D, norm_eps, norm_unit, x1, D, residual ? residual_out : 0, D); \
         const T *stream = residual ? residual_out : h;                                                               \
@@ -47,16 +47,9 @@
                               HK, HV, DK, DV, K, scale, gated_eps, l2_eps, core))                                   \
             return 1;                                                                                                \
         linear_##SUFFIX(core, VD, out_packed, 0, M, D, VD, attn, D);                                                 \
-        rms_norm_##SUFFIX(attn, D, stream, D, post_w, M, D, post_eps, post_unit, x2, D, residual_out, D);             \
-        linear_##SUFFIX(x2, D, gate_up_packed, 0, M, 2 * I, D, gate_up, 2 * I);                                      \
-        for (int64_t m = 0; m < M; m++) {                                                                            \
-            const T *g = gate_up + m * 2 * I, *u = g + I;                                                            \
-            T *am = act + m * I;                                                                                     \
-            for (int64_t i = 0; i < I; i++) am[i] = SILU(g[i]) * u[i];                                              \
-        }                                                                                                            \
-        linear_##SUFFIX(act, I, down_packed, 0, M, D, I, out, D);                                                    \
-        return 0;                                                                                                    \
+        return mlp_block_##SUFFIX(attn, stream, M, D, post_w, post_eps, post_unit, gate_up_packed, I, down_packed, x2, \
+                                  out, residual_out);                                                         \
     }
 
-DEFINE_GDN_LAYER(float, f32, vsilu_f32)
-DEFINE_GDN_LAYER(double, f64, vsilu_f64)
+DEFINE_GDN_LAYER(float, f32)
+DEFINE_GDN_LAYER(double, f64)

@@ -9,7 +9,6 @@ step or for none.
 """
 
 import ctypes
-import threading
 from typing import NamedTuple
 
 import torch
@@ -19,7 +18,6 @@ from truespec.cpu_kernels import linear as cpu_linear
 from truespec.ops.gdn import L2NORM_EPS
 
 ENABLED = True  # tests compare against the stage-by-stage path by turning it off
-_scratch = threading.local()  # the kernel's work buffer, kept per thread: a fresh one of >128 KB each call was mmap-ed
 
 
 class GdnLayerWeights(NamedTuple):
@@ -55,19 +53,10 @@ def can_run(h: torch.Tensor, w: GdnLayerWeights, conv_state: torch.Tensor, ssm_s
         and ssm_state[0].is_contiguous() and not build.tracks_grad(h, *weights)
 
 
-def tensor_key(weights: list[torch.Tensor], states: list[torch.Tensor]) -> tuple | None:
-    """What a ``GdnLayerCall`` binds of its tensors: each weight's identity, storage and version (a replaced, moved
-    or in-place changed weight moves it), each state's identity and storage (the kernel updates states in place).
-    None for inference-tensor weights, which have no version (they keep the stage-by-stage path, as in linear.py)."""
-    if any(t.is_inference() for t in weights):
-        return None
-    return (*((id(t), t.data_ptr(), t._version) for t in weights), *((id(t), t.data_ptr()) for t in states))
-
-
 class GdnLayerCall:
     """``gdn_layer`` for one layer with everything the step does not change bound once (the weights' packed copies
-    and pointers, the shapes, the function), for a caller that keeps it while ``key`` (``tensor_key`` of the tensors
-    it was built from) stays the same."""
+    and pointers, the shapes, the function), for a caller that keeps it while ``key`` (``build.tensor_key`` of the
+    tensors it was built from) stays the same."""
 
     def __init__(self, w: GdnLayerWeights, conv_state: torch.Tensor, ssm_state: torch.Tensor) -> None:
         _check_shapes(w, conv_state)
@@ -77,7 +66,7 @@ class GdnLayerCall:
         matrices = (w.in_proj, w.out_proj, w.gate_up, w.down)
         vectors = (w.input_norm, w.post_norm, w.conv, w.A_log, w.dt_bias, w.gated_norm)
         self.tensors = (*vectors, *matrices)  # the weights (the caller asks autograd about them per call)
-        self.key = tensor_key(list(self.tensors), [conv_state, ssm_state])
+        self.key = build.tensor_key(list(self.tensors), [conv_state, ssm_state])
         self.dtype, self.dim, self.value_dim = w.in_proj.dtype, dim, num_v * dv
         self._kept = [t.detach().contiguous() for t in vectors]  # the pointers below read these
         packed = [cpu_linear.packed_address(m) for m in matrices]
@@ -99,7 +88,7 @@ class GdnLayerCall:
         h = h.contiguous()
         residual = None if residual is None else residual.contiguous()
         num_rows = h.shape[0]
-        work = _work_buffer(num_rows * (3 * self.dim + self.n_in + self.value_dim + 3 * self.inter), h.dtype)
+        work = build.work_buffer(num_rows * (3 * self.dim + self.n_in + self.value_dim + 3 * self.inter), h.dtype)
         out, residual_out = torch.empty_like(h), torch.empty_like(h)
         metadata = [build.as_int64(t) for t in meta]
         status = self.fn(h.data_ptr(), None if residual is None else residual.data_ptr(), num_rows, self.dim,
@@ -128,11 +117,3 @@ def gdn_layer(h: torch.Tensor, residual: torch.Tensor | None, w: GdnLayerWeights
     protocol (layers/gdn.py); ``meta`` = (query_start_loc, state_src, state_dst, state_write_start). Check
     ``can_run`` first; a caller that runs a layer every step keeps its ``GdnLayerCall`` instead."""
     return GdnLayerCall(w, conv_state, ssm_state)(h, residual, meta)
-
-
-def _work_buffer(numel: int, dtype: torch.dtype) -> torch.Tensor:
-    """At least ``numel`` elements of ``dtype``, reused by this thread's calls (each call finishes with it)."""
-    buf = getattr(_scratch, "buf", None)
-    if buf is None or buf.dtype != dtype or buf.numel() < numel:
-        buf = _scratch.buf = torch.empty(numel, dtype=dtype)
-    return buf

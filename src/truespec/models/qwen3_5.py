@@ -9,9 +9,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from truespec.cpu_kernels import build
-from truespec.cpu_kernels import gdn_layer as cpu_gdn_layer
-from truespec.forward_context import get_forward_context
 from truespec.layers.activation import sigmoid_gate
 from truespec.layers.attention import PagedAttention
 from truespec.layers.gdn import GatedDeltaNet
@@ -19,6 +16,7 @@ from truespec.layers.linear import Linear, MergedLinear, use_checkpoint_names
 from truespec.layers.mlp import GatedMLP
 from truespec.layers.norm import RMSNorm
 from truespec.layers.rotary import apply_qk_norm_rotary, rope_from_config
+from truespec.models import qwen3_5_cpu
 from truespec.models.base import CausalLM, DecoderModel, embedding
 
 _LAYER_TYPES = ("linear_attention", "full_attention")
@@ -74,69 +72,21 @@ class Qwen3_5DecoderLayer(nn.Module):
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, unit_offset=True)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, unit_offset=True)
-        # a GDN layer's compiled CPU call and the key of the tensors it was built from (``_cpu_gdn_layer``)
-        self._cpu_sources: list[tuple[dict, str]] | None = None
-        self._cpu_call: tuple[tuple, cpu_gdn_layer.GdnLayerCall | None] | None = None
+        self.cpu_calls = qwen3_5_cpu.KeptCalls()  # the layer's compiled CPU calls (models/qwen3_5_cpu.py)
 
     def forward(
         self, h: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The residual-stream protocol of ``base.run_decoder_layers``: returns (MLP output, residual)."""
-        if self.layer_type == "linear_attention" and h.device.type == "cpu":
-            whole = self._cpu_gdn_layer(h, residual)
-            if whole is not None:
-                return whole
+        is_linear, is_cpu = self.layer_type == "linear_attention", h.device.type == "cpu"
+        if is_linear and is_cpu and (whole := qwen3_5_cpu.gdn_layer(self, h, residual)) is not None:
+            return whole
         x, residual = self.input_layernorm.add_norm(h, residual)
-        is_linear = self.layer_type == "linear_attention"
         h = self.linear_attn(x) if is_linear else self.self_attn(x, cos, sin)
+        if is_cpu and (rest := qwen3_5_cpu.mlp_block(self, h, residual)) is not None:
+            return rest
         x, residual = self.post_attention_layernorm.add_norm(h, residual)
         return self.mlp(x), residual
-
-    def _cpu_gdn_layer(self, h: torch.Tensor,
-                       residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The whole GDN layer in one compiled call (cpu_kernels/gdn_layer.py) where its kernels take every stage (a
-        property of the layer's weights and dtype, not of the step); None: the stage-by-stage path. The call is built
-        once and kept while the layer's tensors stay the same (``gdn_layer.tensor_key``)."""
-        gdn = self.linear_attn
-        states = [gdn.conv_state, gdn.ssm_state]
-        if not cpu_gdn_layer.ENABLED or states[0] is None or states[1] is None or h.dim() != 2 \
-                or (residual is not None and (residual.shape != h.shape or residual.dtype != h.dtype)) \
-                or gdn.takes_kernels(h):
-            return None
-        if self._cpu_sources is None:  # where each weight the kernel reads lives (read per call without __getattr__)
-            self._cpu_sources = [(m._parameters, name) for m, name in self._cpu_weight_owners()]
-        key = cpu_gdn_layer.tensor_key([params[name] for params, name in self._cpu_sources], states)
-        if key is None:
-            return None
-        if self._cpu_call is None or self._cpu_call[0] != key:
-            self._cpu_call = (key, self._build_cpu_call(h, states))
-        call = self._cpu_call[1]
-        if call is None or h.dtype != call.dtype or build.tracks_grad(h, *call.tensors):
-            return None
-        ctx = get_forward_context()
-        return call(h, residual, (ctx.query_start_loc, ctx.state_src, ctx.state_dst, ctx.state_write_start))
-
-    def _cpu_weight_owners(self) -> list[tuple[nn.Module, str]]:
-        """(module, parameter name) of the weights ``GdnLayerCall`` binds, in its key's order."""
-        gdn, mlp = self.linear_attn, self.mlp
-        vectors = [(self.input_layernorm, "weight"), (self.post_attention_layernorm, "weight"), (gdn.conv1d, "weight"),
-                   (gdn, "A_log"), (gdn, "dt_bias"), (gdn.norm, "weight")]  # fmt: skip
-        return vectors + [(m, "weight") for m in (gdn.in_proj, gdn.out_proj, mlp.gate_up_proj, mlp.down_proj)]
-
-    def _build_cpu_call(self, h: torch.Tensor, states: list[torch.Tensor]) -> "cpu_gdn_layer.GdnLayerCall | None":
-        gdn, mlp = self.linear_attn, self.mlp
-        projections = (gdn.in_proj, gdn.out_proj, mlp.gate_up_proj, mlp.down_proj)
-        if gdn.hidden_act != "silu" or mlp.hidden_act != "silu" or any(m.bias is not None for m in projections):
-            return None
-        norm, post = self.input_layernorm, self.post_attention_layernorm
-        w = cpu_gdn_layer.GdnLayerWeights(
-            norm.weight, norm.eps, norm.unit_offset, post.weight, post.eps, post.unit_offset,
-            *(m.weight for m in projections), gdn.conv1d.weight, gdn.A_log, gdn.dt_bias, gdn.norm.weight, gdn.norm.eps,
-            (gdn.num_k_heads, gdn.num_v_heads, gdn.head_k_dim, gdn.head_v_dim))  # fmt: skip
-        with torch.no_grad():  # whether the weights can take it; autograd is asked per call
-            if not cpu_gdn_layer.can_run(h, w, *states):
-                return None
-        return cpu_gdn_layer.GdnLayerCall(w, *states)
 
 
 class Qwen3_5TextModel(DecoderModel):

@@ -1,0 +1,112 @@
+"""The CPU path of a Qwen3.5 decoder layer through compiled calls: a GDN layer whole (cpu_kernels/gdn_layer.py), an
+attention layer's post-attention norm and MLP (cpu_kernels/mlp_block.py). Each call is built once per layer and kept
+while the tensors it reads stay the same objects, storage and versions (cpu_kernels/build.tensor_key). Whether a
+layer takes a call depends on its weights and dtype, never on the step (a row's bits must not depend on the rest of
+its batch): a layer's rows take it at every step or never. None from either function: the stage-by-stage path.
+"""
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from truespec.cpu_kernels import build
+from truespec.cpu_kernels import gdn_layer as cpu_gdn_layer
+from truespec.cpu_kernels import mlp_block as cpu_mlp_block
+from truespec.forward_context import get_forward_context
+
+Owners = list[tuple[nn.Module, str]]  # (module, parameter name) of the weights a call reads, in its key's order
+
+
+class KeptCalls:
+    """One decoder layer's kept compiled calls, by name, each with the key of the tensors it was built from."""
+
+    def __init__(self) -> None:
+        self._sources: dict[str, list[tuple[dict, str]]] = {}  # each weight's parameter dict: no __getattr__ per step
+        self._calls: dict[str, tuple[tuple, object | None]] = {}
+
+    def get(self, name: str, owners: Callable[[], Owners], states: list[torch.Tensor],
+            make: Callable[[], object | None]) -> object | None:  # fmt: skip
+        """The call kept under ``name``, rebuilt by ``make`` (None: the layer cannot take it) when its tensors moved;
+        None for weights without a version counter (inference tensors)."""
+        sources = self._sources.get(name)
+        if sources is None:
+            sources = self._sources[name] = [(m._parameters, param) for m, param in owners()]
+        key = build.tensor_key([params[param] for params, param in sources], states)
+        if key is None:
+            return None
+        kept = self._calls.get(name)
+        if kept is None or kept[0] != key:
+            kept = self._calls[name] = (key, make())
+        return kept[1]
+
+    def kept(self, name: str) -> object | None:
+        """The call now kept under ``name`` (tests)."""
+        return self._calls[name][1] if name in self._calls else None
+
+
+def gdn_layer(layer: nn.Module, h: torch.Tensor,
+              residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:  # fmt: skip
+    """A GDN decoder layer's (MLP output, residual) in one call, where its kernels take every stage."""
+    gdn = layer.linear_attn
+    states = [gdn.conv_state, gdn.ssm_state]
+    if not cpu_gdn_layer.ENABLED or states[0] is None or states[1] is None or h.dim() != 2 \
+            or (residual is not None and (residual.shape != h.shape or residual.dtype != h.dtype)) \
+            or gdn.takes_kernels(h):
+        return None
+    call = layer.cpu_calls.get("gdn_layer", lambda: _gdn_owners(layer), states,
+                               lambda: _make_gdn_call(layer, h, states))  # fmt: skip
+    if call is None or h.dtype != call.dtype or build.tracks_grad(h, *call.tensors):
+        return None
+    ctx = get_forward_context()
+    return call(h, residual, (ctx.query_start_loc, ctx.state_src, ctx.state_dst, ctx.state_write_start))
+
+
+def mlp_block(layer: nn.Module, h: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The post-attention add + RMSNorm and the MLP's (output, residual) in one call, where the kernels take them."""
+    if not cpu_mlp_block.ENABLED or h.dim() != 2 or residual.shape != h.shape or residual.dtype != h.dtype:
+        return None
+    call = layer.cpu_calls.get("mlp_block", lambda: _mlp_owners(layer), [], lambda: _make_mlp_call(layer, h))
+    if call is None or h.dtype != call.dtype or build.tracks_grad(h, *call.tensors):
+        return None
+    return call(h, residual)
+
+
+def _gdn_owners(layer: nn.Module) -> Owners:
+    gdn, mlp = layer.linear_attn, layer.mlp
+    vectors = [(layer.input_layernorm, "weight"), (layer.post_attention_layernorm, "weight"), (gdn.conv1d, "weight"),
+               (gdn, "A_log"), (gdn, "dt_bias"), (gdn.norm, "weight")]  # fmt: skip
+    return vectors + [(m, "weight") for m in (gdn.in_proj, gdn.out_proj, mlp.gate_up_proj, mlp.down_proj)]
+
+
+def _mlp_owners(layer: nn.Module) -> Owners:
+    mlp = layer.mlp
+    return [(layer.post_attention_layernorm, "weight"), (mlp.gate_up_proj, "weight"), (mlp.down_proj, "weight")]
+
+
+def _make_gdn_call(layer: nn.Module, h: torch.Tensor,
+                   states: list[torch.Tensor]) -> cpu_gdn_layer.GdnLayerCall | None:  # fmt: skip
+    gdn, mlp = layer.linear_attn, layer.mlp
+    projections = (gdn.in_proj, gdn.out_proj, mlp.gate_up_proj, mlp.down_proj)
+    if gdn.hidden_act != "silu" or mlp.hidden_act != "silu" or any(m.bias is not None for m in projections):
+        return None
+    norm, post = layer.input_layernorm, layer.post_attention_layernorm
+    w = cpu_gdn_layer.GdnLayerWeights(
+        norm.weight, norm.eps, norm.unit_offset, post.weight, post.eps, post.unit_offset,
+        *(m.weight for m in projections), gdn.conv1d.weight, gdn.A_log, gdn.dt_bias, gdn.norm.weight, gdn.norm.eps,
+        (gdn.num_k_heads, gdn.num_v_heads, gdn.head_k_dim, gdn.head_v_dim))  # fmt: skip
+    with torch.no_grad():  # whether the weights can take it; autograd is asked per call
+        if not cpu_gdn_layer.can_run(h, w, *states):
+            return None
+    return cpu_gdn_layer.GdnLayerCall(w, *states)
+
+
+def _make_mlp_call(layer: nn.Module, h: torch.Tensor) -> cpu_mlp_block.MlpBlockCall | None:
+    mlp, post = layer.mlp, layer.post_attention_layernorm
+    if mlp.hidden_act != "silu" or any(m.bias is not None for m in (mlp.gate_up_proj, mlp.down_proj)):
+        return None
+    with torch.no_grad():  # whether the weights can take it; autograd is asked per call
+        if not cpu_mlp_block.can_run(h, post.weight, mlp.gate_up_proj.weight, mlp.down_proj.weight):
+            return None
+    return cpu_mlp_block.MlpBlockCall(post.weight, post.eps, post.unit_offset, mlp.gate_up_proj.weight,
+                                      mlp.down_proj.weight)  # fmt: skip
