@@ -15,6 +15,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "stages.h"
 #include "vexp.h"
 
 #define DEFINE_GDN_CORE(T, SUFFIX, EXP, SILU, SQRT, LOG1P)                                                           \

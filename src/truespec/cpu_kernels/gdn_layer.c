@@ -1,29 +1,15 @@
 /* A whole Qwen3.5 Gated DeltaNet decoder layer for a step on the CPU in one call (build.py builds it, gdn_layer.py
  * calls it; models/qwen3_5.py's Qwen3_5DecoderLayer is the layer): add + RMSNorm, in_proj, the GDN core, out_proj,
- * add + RMSNorm, and the SwiGLU MLP (mlp_block.c), with no Python between the stages (one layer was ~25 torch and ctypes calls,
- * most of a small model's decode step on the CPU). Each stage is the function that computes it alone (norm_core.c,
- * linear_core.c, gdn_core.c), on the same rows in the same order, so a row's bits never depend on the rest of the
- * step, as in each of them; the MLP's act(gate) * up is SiLU from vexp.h, then the product.
- */
+ * add + RMSNorm, and the SwiGLU MLP (mlp_block.c), with no Python between the stages (one layer was ~25 torch and
+ * ctypes calls, most of a small model's decode step on the CPU). Each stage is the function that computes it alone
+ * (stages.h), on the same rows in the same order, so a row's bits never depend on the rest of the step, as in each of
+ * them; the MLP's act(gate) * up is SiLU from vexp.h, then the product. */
 #include <stdint.h>
 #include <string.h>
 
-#define DECLARE_STAGES(T, SUFFIX)                                                                                   \
-    int rms_norm_##SUFFIX(const T *x, int64_t ld_x, const T *residual, int64_t ld_res, const T *w, int64_t M,     \
-                          int64_t D, T eps, int unit_offset, T *out, int64_t ld_out, T *sum_out, int64_t ld_sum);  \
-    int linear_##SUFFIX(const T *x, int64_t ld_x, const T *packed, const T *bias, int64_t M, int64_t N, int64_t K, \
-                        T *y, int64_t ld_y);                                                                        \
-    int gdn_core_##SUFFIX(const T *x, int64_t ld_x, const T *z, int64_t ld_z, const T *a, const T *b, int64_t ld_ab, \
-                          const T *conv_w, const T *A_log, const T *dt_bias, const T *norm_w, T *conv_state,        \
-                          int64_t conv_slot, T *ssm_state, int64_t ssm_slot, const int64_t *qsl, const int64_t *src, \
-                          const int64_t *dst, const int64_t *wstart, int64_t R, int64_t HK, int64_t HV, int64_t DK, \
-                          int64_t DV, int64_t K, T scale, T norm_eps, T l2_eps, T *out);                     \
-    int mlp_block_##SUFFIX(const T *x, const T *stream, int64_t M, int64_t D, const T *norm_w, T norm_eps,         \
-                           int norm_unit, const T *gate_up_packed, int64_t I, const T *down_packed, T *work,   \
-                           T *out, T *stream_out);
+#include "stages.h"
 
 #define DEFINE_GDN_LAYER(T, SUFFIX)                                                                                  \
-    DECLARE_STAGES(T, SUFFIX)                                                                                        \
     int gdn_layer_##SUFFIX(                                                                                          \
         const T *h, const T *residual, int64_t M, int64_t D, /* [M, D] in; residual NULL: h starts the stream */    \
         const T *norm_w, T norm_eps, int norm_unit, const T *post_w, T post_eps, int post_unit,                      \

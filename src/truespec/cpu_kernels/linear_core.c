@@ -10,6 +10,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "stages.h"
+
 typedef float vf32 __attribute__((vector_size(64)));
 typedef double vf64 __attribute__((vector_size(64)));
 

@@ -5,13 +5,10 @@
  */
 #include <stdint.h>
 
+#include "stages.h"
 #include "vexp.h"
 
 #define DEFINE_MLP_BLOCK(T, SUFFIX, SILU)                                                                            \
-    int rms_norm_##SUFFIX(const T *x, int64_t ld_x, const T *residual, int64_t ld_res, const T *w, int64_t M,     \
-                          int64_t D, T eps, int unit_offset, T *out, int64_t ld_out, T *sum_out, int64_t ld_sum);  \
-    int linear_##SUFFIX(const T *x, int64_t ld_x, const T *packed, const T *bias, int64_t M, int64_t N, int64_t K, \
-                        T *y, int64_t ld_y);                                                                        \
     int mlp_block_##SUFFIX(                                                                                          \
         const T *x, const T *stream, int64_t M, int64_t D, /* [M, D] each: the attention's output, the stream */    \
         const T *norm_w, T norm_eps, int norm_unit, const T *gate_up_packed, int64_t I, const T *down_packed,       \

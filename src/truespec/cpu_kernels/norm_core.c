@@ -6,6 +6,7 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "stages.h"
 #include "lanes.h"
 
 #define DEFINE_RMS_NORM(T, SUFFIX, SQRT)                                                                            \

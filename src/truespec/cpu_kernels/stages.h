@@ -1,0 +1,24 @@
+/* The kernels that a fused call (gdn_layer.c, mlp_block.c) runs as its stages, declared once: the files that define
+ * them include this too, so the compiler checks every caller's view of a stage against its definition. */
+#ifndef TRUESPEC_STAGES_H
+#define TRUESPEC_STAGES_H
+#include <stdint.h>
+
+#define DECLARE_STAGES(T, SUFFIX)                                                                                    \
+    int rms_norm_##SUFFIX(const T *x, int64_t ld_x, const T *residual, int64_t ld_res, const T *w, int64_t M,      \
+                          int64_t D, T eps, int unit_offset, T *out, int64_t ld_out, T *sum_out, int64_t ld_sum);   \
+    int linear_##SUFFIX(const T *x, int64_t ld_x, const T *packed, const T *bias, int64_t M, int64_t N, int64_t K,  \
+                        T *y, int64_t ld_y);                                                                         \
+    int gdn_core_##SUFFIX(const T *x, int64_t ld_x, const T *z, int64_t ld_z, const T *a, const T *b, int64_t ld_ab, \
+                          const T *conv_w, const T *A_log, const T *dt_bias, const T *norm_w, T *conv_state,         \
+                          int64_t conv_slot, T *ssm_state, int64_t ssm_slot, const int64_t *qsl, const int64_t *src, \
+                          const int64_t *dst, const int64_t *wstart, int64_t R, int64_t HK, int64_t HV, int64_t DK,  \
+                          int64_t DV, int64_t K, T scale, T norm_eps, T l2_eps, T *out);                             \
+    int mlp_block_##SUFFIX(const T *x, const T *stream, int64_t M, int64_t D, const T *norm_w, T norm_eps,           \
+                           int norm_unit, const T *gate_up_packed, int64_t I, const T *down_packed, T *work, T *out, \
+                           T *stream_out);
+
+DECLARE_STAGES(float, f32)
+DECLARE_STAGES(double, f64)
+#undef DECLARE_STAGES
+#endif
