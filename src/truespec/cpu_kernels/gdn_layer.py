@@ -55,8 +55,8 @@ def can_run(h: torch.Tensor, w: GdnLayerWeights, conv_state: torch.Tensor, ssm_s
 
 class GdnLayerCall:
     """``gdn_layer`` for one layer with everything the step does not change bound once (the weights' packed copies
-    and pointers, the shapes, the function), for a caller that keeps it while ``key`` (``build.tensor_key`` of the
-    tensors it was built from) stays the same."""
+    and pointers, the shapes, the function), for a caller that keeps it while the tensors it was built from stay the
+    same (models/qwen3_5_cpu.KeptCalls, by ``build.tensor_key``)."""
 
     def __init__(self, w: GdnLayerWeights, conv_state: torch.Tensor, ssm_state: torch.Tensor) -> None:
         _check_shapes(w, conv_state)
@@ -66,7 +66,6 @@ class GdnLayerCall:
         matrices = (w.in_proj, w.out_proj, w.gate_up, w.down)
         vectors = (w.input_norm, w.post_norm, w.conv, w.A_log, w.dt_bias, w.gated_norm)
         self.tensors = (*vectors, *matrices)  # the weights (the caller asks autograd about them per call)
-        self.key = build.tensor_key(list(self.tensors), [conv_state, ssm_state])
         self.dtype, self.dim, self.value_dim = w.in_proj.dtype, dim, num_v * dv
         self._kept = [t.detach().contiguous() for t in vectors]  # the pointers below read these
         packed = [cpu_linear.packed_address(m) for m in matrices]

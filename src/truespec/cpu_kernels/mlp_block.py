@@ -23,8 +23,8 @@ def can_run(x: torch.Tensor, norm_weight: torch.Tensor, gate_up: torch.Tensor, d
 
 
 class MlpBlockCall:
-    """The call for one layer's weights, bound once (packed projections, pointers, shapes); its ``key``
-    (``build.tensor_key`` of ``tensors``) says which tensors it was built from."""
+    """The call for one layer's weights, bound once (packed projections, pointers, shapes), for a caller that keeps
+    it while those weights stay the same (models/qwen3_5_cpu.KeptCalls, by ``build.tensor_key``)."""
 
     def __init__(self, norm_weight: torch.Tensor, norm_eps: float, norm_unit: bool, gate_up: torch.Tensor,
                  down: torch.Tensor) -> None:  # fmt: skip
@@ -33,7 +33,6 @@ class MlpBlockCall:
             raise ValueError(f"mlp_block: gate_up {tuple(gate_up.shape)} and down {tuple(down.shape)} do not fit "
                              f"hidden size {dim}")  # fmt: skip
         self.tensors = (norm_weight, gate_up, down)
-        self.key = build.tensor_key(list(self.tensors), [])
         self.dtype, self.dim, self.inter = norm_weight.dtype, dim, inter
         self._norm = norm_weight.detach().contiguous()  # the pointer below reads it
         suffix, scalar = build.SCALARS[self.dtype]
