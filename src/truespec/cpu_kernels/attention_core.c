@@ -12,6 +12,7 @@
 #include <string.h>
 
 #include "lanes.h"
+#include "stages.h"
 
 #define DEFINE_ATTENTION_ROWS(T, SUFFIX, EXP)                                                                       \
     int attention_rows_##SUFFIX(                                                                                     \

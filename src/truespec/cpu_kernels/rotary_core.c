@@ -8,6 +8,7 @@
 #include <string.h>
 
 #include "lanes.h"
+#include "stages.h"
 
 #define MAX_HEAD_DIM 1024
 

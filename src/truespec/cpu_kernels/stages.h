@@ -1,4 +1,4 @@
-/* The kernels that a fused call (gdn_layer.c, mlp_block.c) runs as its stages, declared once: the files that define
+/* The kernels that a fused call (gdn_layer.c, attention_layer.c, mlp_block.c) runs as its stages, declared once: the files that define
  * them include this too, so the compiler checks every caller's view of a stage against its definition. */
 #ifndef TRUESPEC_STAGES_H
 #define TRUESPEC_STAGES_H
@@ -14,6 +14,17 @@
                           int64_t conv_slot, T *ssm_state, int64_t ssm_slot, const int64_t *qsl, const int64_t *src, \
                           const int64_t *dst, const int64_t *wstart, int64_t R, int64_t HK, int64_t HV, int64_t DK,  \
                           int64_t DV, int64_t K, T scale, T norm_eps, T l2_eps, T *out);                             \
+    int qk_norm_rope_##SUFFIX(const T *q, int64_t q_tok, int64_t q_head, int64_t H, const T *k, int64_t k_tok,      \
+                              int64_t k_head, int64_t H_kv, int64_t tokens, int64_t D, const T *cos, const T *sin,  \
+                              int64_t rot, const T *q_w, const T *k_w, T eps, int unit_offset, T *q_out, T *k_out); \
+    int store_kv_##SUFFIX(const T *k, int64_t k_tok, int64_t k_head, const T *v, int64_t v_tok, int64_t v_head,      \
+                          const int64_t *slot_mapping, int64_t tokens, int64_t H_kv, int64_t D, T *keys, T *values); \
+    int attention_rows_##SUFFIX(const T *q, int64_t q_tok, int64_t q_head, const T *keys, const T *values,          \
+                                const int64_t *block_tables, int64_t bt_req, const int64_t *qsl,                     \
+                                const int64_t *seq_lens, int64_t R, int64_t max_query_len, int64_t H, int64_t H_kv,  \
+                                int64_t D, int64_t block_size, T scale, T *out, int64_t o_tok, int64_t o_head);      \
+    int sigmoid_gate_##SUFFIX(const T *x, int64_t x_tok, int64_t x_head, const T *gate, int64_t g_tok,             \
+                              int64_t g_head, int64_t tokens, int64_t H, int64_t D, T *out);                         \
     int mlp_block_##SUFFIX(const T *x, const T *stream, int64_t M, int64_t D, const T *norm_w, T norm_eps,           \
                            int norm_unit, const T *gate_up_packed, int64_t I, const T *down_packed, T *work, T *out, \
                            T *stream_out);

@@ -81,6 +81,8 @@ class Qwen3_5DecoderLayer(nn.Module):
         is_linear, is_cpu = self.layer_type == "linear_attention", h.device.type == "cpu"
         if is_linear and is_cpu and (whole := qwen3_5_cpu.gdn_layer(self, h, residual)) is not None:
             return whole
+        if not is_linear and is_cpu and (whole := qwen3_5_cpu.attention_layer(self, h, residual, cos, sin)) is not None:
+            return whole
         x, residual = self.input_layernorm.add_norm(h, residual)
         h = self.linear_attn(x) if is_linear else self.self_attn(x, cos, sin)
         if is_cpu and (rest := qwen3_5_cpu.mlp_block(self, h, residual)) is not None:

@@ -1,8 +1,10 @@
 """The CPU path of a Qwen3.5 decoder layer through compiled calls: a GDN layer whole (cpu_kernels/gdn_layer.py), an
-attention layer's post-attention norm and MLP (cpu_kernels/mlp_block.py). Each call is built once per layer and kept
-while the tensors it reads stay the same objects, storage and versions (cpu_kernels/build.tensor_key). Whether a
-layer takes a call depends on its weights and dtype, never on the step (a row's bits must not depend on the rest of
-its batch): a layer's rows take it at every step or never. None from either function: the stage-by-stage path.
+attention layer whole for a step of short queries (cpu_kernels/attention_layer.py), else its post-attention norm and
+MLP (cpu_kernels/mlp_block.py). Each call is built once per layer and kept while the tensors it reads stay the same
+objects, storage and versions (cpu_kernels/build.tensor_key). Whether a layer takes a call depends on its weights and
+dtype (a row's bits must not depend on the rest of its batch); the one step-dependent choice, an attention layer's
+whole call or its stages, runs the same C function per stage either way. None from any function: the stage-by-stage
+path.
 """
 
 from collections.abc import Callable
@@ -10,6 +12,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from truespec.cpu_kernels import attention_layer as cpu_attention_layer
 from truespec.cpu_kernels import build
 from truespec.cpu_kernels import gdn_layer as cpu_gdn_layer
 from truespec.cpu_kernels import mlp_block as cpu_mlp_block
@@ -62,6 +65,22 @@ def gdn_layer(layer: nn.Module, h: torch.Tensor,
     return call(h, residual, (ctx.query_start_loc, ctx.state_src, ctx.state_dst, ctx.state_write_start))
 
 
+def attention_layer(layer: nn.Module, h: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
+                    sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:  # fmt: skip
+    """A gated-attention decoder layer's (MLP output, residual) in one call, for a step whose queries are all short
+    (decodes, verifies, short chunks) over a model-dtype cache, where its kernels take every stage."""
+    attn, ctx = layer.self_attn.attn, get_forward_context()
+    if not cpu_attention_layer.ENABLED or attn.kv_cache is None or attn.kv_format is not None \
+            or attn.sparse_v is not None or ctx.max_query_len > cpu_attention_layer.MAX_BATCHED_QUERY_LEN \
+            or h.dim() != 2 or (residual is not None and (residual.shape != h.shape or residual.dtype != h.dtype)):
+        return None
+    call = layer.cpu_calls.get("attention_layer", lambda: _attention_owners(layer), [attn.kv_cache],
+                               lambda: _make_attention_call(layer, h, attn.kv_cache))  # fmt: skip
+    if call is None or h.dtype != call.dtype or cos.dtype != h.dtype or build.tracks_grad(h, *call.tensors):
+        return None
+    return call(h, residual, cos, sin, (ctx.block_tables, ctx.query_start_loc, ctx.seq_lens, ctx.slot_mapping))
+
+
 def mlp_block(layer: nn.Module, h: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The post-attention add + RMSNorm and the MLP's (output, residual) in one call, where the kernels take them."""
     if not cpu_mlp_block.ENABLED or h.dim() != 2 or residual.shape != h.shape or residual.dtype != h.dtype:
@@ -77,6 +96,13 @@ def _gdn_owners(layer: nn.Module) -> Owners:
     vectors = [(layer.input_layernorm, "weight"), (layer.post_attention_layernorm, "weight"), (gdn.conv1d, "weight"),
                (gdn, "A_log"), (gdn, "dt_bias"), (gdn.norm, "weight")]  # fmt: skip
     return vectors + [(m, "weight") for m in (gdn.in_proj, gdn.out_proj, mlp.gate_up_proj, mlp.down_proj)]
+
+
+def _attention_owners(layer: nn.Module) -> Owners:
+    attn, mlp = layer.self_attn, layer.mlp
+    vectors = [(layer.input_layernorm, "weight"), (layer.post_attention_layernorm, "weight"),
+               (attn.q_norm, "weight"), (attn.k_norm, "weight")]  # fmt: skip
+    return vectors + [(m, "weight") for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
 
 
 def _mlp_owners(layer: nn.Module) -> Owners:
@@ -99,6 +125,25 @@ def _make_gdn_call(layer: nn.Module, h: torch.Tensor,
         if not cpu_gdn_layer.can_run(h, w, *states):
             return None
     return cpu_gdn_layer.GdnLayerCall(w, *states)
+
+
+def _make_attention_call(layer: nn.Module, h: torch.Tensor,
+                         kv_cache: torch.Tensor) -> cpu_attention_layer.AttentionLayerCall | None:  # fmt: skip
+    attn, mlp = layer.self_attn, layer.mlp
+    projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+    q_norm, k_norm = attn.q_norm, attn.k_norm
+    if mlp.hidden_act != "silu" or any(m.bias is not None for m in projections) \
+            or (q_norm.eps, q_norm.unit_offset) != (k_norm.eps, k_norm.unit_offset):
+        return None
+    norm, post = layer.input_layernorm, layer.post_attention_layernorm
+    w = cpu_attention_layer.AttentionLayerWeights(
+        norm.weight, norm.eps, norm.unit_offset, post.weight, post.eps, post.unit_offset,
+        *(m.weight for m in projections), q_norm.weight, k_norm.weight, q_norm.eps, q_norm.unit_offset,
+        (attn.num_heads, attn.num_kv_heads, attn.head_dim), attn.attn.scale)  # fmt: skip
+    with torch.no_grad():  # whether the weights can take it; autograd is asked per call
+        if not cpu_attention_layer.can_run(h, w, kv_cache):
+            return None
+    return cpu_attention_layer.AttentionLayerCall(w, kv_cache)
 
 
 def _make_mlp_call(layer: nn.Module, h: torch.Tensor) -> cpu_mlp_block.MlpBlockCall | None:
