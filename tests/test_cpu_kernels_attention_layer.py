@@ -168,16 +168,25 @@ def test_kept_call_follows_changed_weights_and_cache(change: str) -> None:
         assert torch.equal(a, b)
 
 
-def test_the_models_attention_layers_take_it_at_every_step(monkeypatch: pytest.MonkeyPatch) -> None:
-    # the CPU engine's prompt chunks are short too (max_num_batched_tokens), so every step of a run takes the call
+@pytest.mark.parametrize("stack", [True, False], ids=["stack", "per_layer"])
+def test_the_models_attention_layers_take_it_at_every_step(stack: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    # the CPU engine's prompt chunks are short too (max_num_batched_tokens), so every step of a run takes the call:
+    # inside the model's one call for all its layers (cpu_kernels/decoder_stack.py), or one call per layer without it
     from truespec import LLM, SamplingParams
     from truespec.assets import DEFAULT_MODEL_DIR
+    from truespec.cpu_kernels import decoder_stack as cpu_decoder_stack
 
+    monkeypatch.setattr(cpu_decoder_stack, "ENABLED", stack)
     calls = []
-    call = cpu_attention_layer.AttentionLayerCall.__call__
-    monkeypatch.setattr(cpu_attention_layer.AttentionLayerCall, "__call__", lambda *a, f=call: calls.append(1) or f(*a))
+    for cls in (cpu_attention_layer.AttentionLayerCall, cpu_decoder_stack.DecoderStackCall):
+        call = cls.__call__
+        monkeypatch.setattr(cls, "__call__", lambda *a, f=call, c=cls: calls.append(c) or f(*a))
     llm = LLM(str(DEFAULT_MODEL_DIR), dtype="float32", device="cpu", max_model_len=256)
     llm.generate({"prompt_token_ids": list(range(10, 40))},
                  SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True), use_tqdm=False)  # fmt: skip
     attention_layers = sum(1 for t in llm.llm_engine.hf_config.layer_types if t == "full_attention")
-    assert len(calls) == llm.get_metrics()["num_steps"] * attention_layers > 0
+    num_steps = llm.get_metrics()["num_steps"]
+    if stack:
+        assert calls == [cpu_decoder_stack.DecoderStackCall] * num_steps and num_steps > 0
+    else:
+        assert calls == [cpu_attention_layer.AttentionLayerCall] * num_steps * attention_layers and num_steps > 0

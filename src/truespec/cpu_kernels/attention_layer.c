@@ -6,6 +6,7 @@
  * both paths and never depend on the rest of the step (a step with a longer prompt chunk takes the stage-by-stage
  * path, whose long rows go through BLAS). */
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "stages.h"
@@ -43,5 +44,43 @@
                                   mlp_work, out, residual_out);                                                      \
     }
 
+/* The bound form, as gdn_layer.c's: weights, cache and shapes copied once (attention_layer_bind, freed with
+ * bound_free); a step passes its rows, RoPE tables and metadata (attention_layer_run, or decoder_stack.c). */
+#define DEFINE_ATTENTION_LAYER_BOUND(T, SUFFIX)                                                                      \
+    typedef struct {                                                                                                 \
+        const T *norm_w, *post_w, *qkv_packed, *o_packed, *gate_up_packed, *down_packed, *q_norm_w, *k_norm_w;      \
+        T norm_eps, post_eps, qk_eps, scale, *keys, *values;                                                         \
+        int norm_unit, post_unit, qk_unit;                                                                           \
+        int64_t D, I, block_size, H, H_kv, Dh;                                                                       \
+    } attention_bound_##SUFFIX;                                                                                      \
+    void *attention_layer_bind_##SUFFIX(int64_t D, const T *norm_w, T norm_eps, int norm_unit, const T *post_w,    \
+                                        T post_eps, int post_unit, const T *qkv_packed, const T *o_packed,           \
+                                        const T *gate_up_packed, int64_t I, const T *down_packed,                    \
+                                        const T *q_norm_w, const T *k_norm_w, T qk_eps, int qk_unit, T *keys,       \
+                                        T *values, int64_t block_size, int64_t H, int64_t H_kv, int64_t Dh,          \
+                                        T scale) {                                                                   \
+        attention_bound_##SUFFIX *b = malloc(sizeof *b);                                                             \
+        if (!b) return 0;                                                                                            \
+        *b = (attention_bound_##SUFFIX){norm_w, post_w, qkv_packed, o_packed, gate_up_packed, down_packed, q_norm_w, \
+                                        k_norm_w, norm_eps, post_eps, qk_eps, scale, keys, values, norm_unit,       \
+                                        post_unit, qk_unit, D, I, block_size, H, H_kv, Dh};                          \
+        return b;                                                                                                    \
+    }                                                                                                                \
+    int attention_layer_run_##SUFFIX(const void *bound, const T *h, const T *residual, int64_t M, const T *cos,     \
+                                     const T *sin, int64_t rot, const int64_t *block_tables, int64_t bt_req,         \
+                                     const int64_t *qsl, const int64_t *seq_lens, int64_t R,                         \
+                                     const int64_t *slot_mapping, int64_t num_slots, int64_t max_query_len, T *work, \
+                                     T *out, T *residual_out) {                                                      \
+        const attention_bound_##SUFFIX *b = bound;                                                                   \
+        return attention_layer_##SUFFIX(h, residual, M, b->D, b->norm_w, b->norm_eps, b->norm_unit, b->post_w,       \
+                                        b->post_eps, b->post_unit, b->qkv_packed, b->o_packed, b->gate_up_packed,   \
+                                        b->I, b->down_packed, b->q_norm_w, b->k_norm_w, b->qk_eps, b->qk_unit, cos,  \
+                                        sin, rot, b->keys, b->values, b->block_size, block_tables, bt_req, qsl,      \
+                                        seq_lens, R, slot_mapping, num_slots, max_query_len, b->H, b->H_kv, b->Dh,   \
+                                        b->scale, work, out, residual_out);                                          \
+    }
+
 DEFINE_ATTENTION_LAYER(float, f32)
 DEFINE_ATTENTION_LAYER(double, f64)
+DEFINE_ATTENTION_LAYER_BOUND(float, f32)
+DEFINE_ATTENTION_LAYER_BOUND(double, f64)

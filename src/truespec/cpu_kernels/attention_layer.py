@@ -67,20 +67,23 @@ class AttentionLayerCall:
         self.dim, self.inter = w.input_norm.shape[0], w.down.shape[1]
         self.num_qkv, self.heads = w.qkv.shape[0], w.heads
         self.dtype, self.tensors = w.qkv.dtype, (w.input_norm, w.post_norm, w.q_norm, w.k_norm)
-        self._kept = [t.detach().contiguous() for t in self.tensors]  # the pointers below read these
-        self.tensors += (w.qkv, w.o_proj, w.gate_up, w.down)  # the weights (the caller asks autograd about them)
-        kept = [t.data_ptr() for t in self._kept]
-        packed = [cpu_linear.packed_address(m) for m in (w.qkv, w.o_proj, w.gate_up, w.down)]
+        kept = tuple(t.detach().contiguous() for t in self.tensors)  # the bound pointers read these and the packs
+        matrices = (w.qkv, w.o_proj, w.gate_up, w.down)
+        self.tensors += matrices  # the weights (the caller asks autograd about them per call)
+        packs = tuple(cpu_linear.packed_copy(m) for m in matrices)
         suffix, scalar = build.SCALARS[self.dtype]
         p, i, flag = build.POINTER, build.INT, ctypes.c_int
-        self.fn = build.function(f"attention_layer_{suffix}", [
-            p, p, i, i, p, scalar, flag, p, scalar, flag, p, p, p, i, p, p, p, scalar, flag, p, p, i, p, p, i, p, i, p,
-            p, i, p, i, i, i, i, i, scalar, p, p, p])  # fmt: skip
-        self.weight_args = (kept[0], w.input_norm_eps, int(w.input_norm_unit), kept[1], w.post_norm_eps,
-                            int(w.post_norm_unit), packed[0], packed[1], packed[2], self.inter, packed[3], kept[2],
-                            kept[3], w.qk_norm_eps, int(w.qk_norm_unit))  # fmt: skip
-        self.cache_args = (kv_cache[0].data_ptr(), kv_cache[1].data_ptr(), kv_cache.shape[2])
-        self.shape_args = (num_heads, num_kv_heads, head_dim, w.scale)
+        vectors, packed = [t.data_ptr() for t in kept], [t.data_ptr() for t in packs]
+        args = (self.dim, vectors[0], w.input_norm_eps, int(w.input_norm_unit), vectors[1], w.post_norm_eps,
+                int(w.post_norm_unit), *packed[:3], self.inter, packed[3], vectors[2], vectors[3], w.qk_norm_eps,
+                int(w.qk_norm_unit), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(), kv_cache.shape[2], num_heads,
+                num_kv_heads, head_dim, w.scale)  # fmt: skip
+        argtypes = [i, p, scalar, flag, p, scalar, flag, p, p, p, i, p, p, p, scalar, flag, p, p, i, i, i, i, scalar]
+        self.bound = build.Bound(f"attention_layer_bind_{suffix}", argtypes, args, kept + packs + (kv_cache,))
+        # attention_layer.c's scratch
+        self.work_per_row = 3 * self.dim + self.num_qkv + (3 * num_heads + num_kv_heads) * head_dim + 3 * self.inter
+        run_types = [p, p, p, i, p, p, i, p, i, p, p, i, p, i, i, p, p, p]
+        self.fn = build.function(f"attention_layer_run_{suffix}", run_types)
 
     def __call__(self, h: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
                  meta: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
@@ -89,22 +92,25 @@ class AttentionLayerCall:
         ``MAX_BATCHED_QUERY_LEN`` tokens."""
         h = h.contiguous()
         residual = None if residual is None else residual.contiguous()
-        cos, sin = cos.contiguous(), sin.contiguous()
-        num_rows, (num_heads, num_kv_heads, head_dim) = h.shape[0], self.heads
-        if cos.shape != (num_rows, cos.shape[-1]) or sin.shape != cos.shape:
-            raise ValueError(f"attention_layer: cos {tuple(cos.shape)} / sin {tuple(sin.shape)} for {num_rows} rows")
-        per_row = 3 * self.dim + self.num_qkv + (3 * num_heads + num_kv_heads) * head_dim + 3 * self.inter
-        work = build.work_buffer(num_rows * per_row, h.dtype)
+        cos, sin = rope_tables(cos, sin, h.shape[0])
+        work = build.work_buffer(h.shape[0] * self.work_per_row, h.dtype)
         out, residual_out = torch.empty_like(h), torch.empty_like(h)
         tables, qsl, seq_lens, slots = (build.as_int64(t) for t in meta)
-        status = self.fn(h.data_ptr(), None if residual is None else residual.data_ptr(), num_rows, self.dim,
-                         *self.weight_args, cos.data_ptr(), sin.data_ptr(), cos.shape[-1], *self.cache_args,
-                         tables.data_ptr(), tables.stride(0), qsl.data_ptr(), seq_lens.data_ptr(), seq_lens.shape[0],
-                         slots.data_ptr(), slots.shape[0], MAX_BATCHED_QUERY_LEN, *self.shape_args, work.data_ptr(),
-                         out.data_ptr(), residual_out.data_ptr())  # fmt: skip
+        status = self.fn(self.bound.address, h.data_ptr(), None if residual is None else residual.data_ptr(),
+                         h.shape[0], cos.data_ptr(), sin.data_ptr(), cos.shape[-1], tables.data_ptr(),
+                         tables.stride(0), qsl.data_ptr(), seq_lens.data_ptr(), seq_lens.shape[0], slots.data_ptr(),
+                         slots.shape[0], MAX_BATCHED_QUERY_LEN, work.data_ptr(), out.data_ptr(),
+                         residual_out.data_ptr())  # fmt: skip
         if status:
             raise MemoryError("attention_layer: the CPU kernel could not allocate its score buffer")
         return out, residual_out
+
+
+def rope_tables(cos: torch.Tensor, sin: torch.Tensor, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin as the kernel reads them ([num_rows, rot], contiguous); ValueError if they do not fit."""
+    if cos.shape != (num_rows, cos.shape[-1]) or sin.shape != cos.shape:
+        raise ValueError(f"attention_layer: cos {tuple(cos.shape)} / sin {tuple(sin.shape)} for {num_rows} rows")
+    return cos.contiguous(), sin.contiguous()
 
 
 def _check_shapes(w: AttentionLayerWeights) -> None:

@@ -4,7 +4,9 @@ C compiler on first use, loaded with ctypes.
 In torch, one layer of a decode step is a hundred or more small ops, each a few microseconds of dispatch for a few
 hundred numbers of work: on a small model that dispatch, not arithmetic, is the CPU step. Each C kernel here computes
 what a run of those ops computes, in one call: gdn_core.c (a GDN layer's core), attention_core.c (the attention of a
-step's short queries), norm_core.c (RMSNorm), rotary_core.c (q / k norms and RoPE), linear_core.c (projections).
+step's short queries), norm_core.c (RMSNorm), rotary_core.c (q / k norms and RoPE), linear_core.c (projections),
+activation_core.c (the attention's output gate); gdn_layer.c, attention_layer.c and mlp_block.c chain them into a layer
+or half a layer, decoder_stack.c every layer of a step.
 
 Built once per sources, compiler and CPU: ``$CC`` (else ``cc``) with -O3 -march=native -ffp-contract=off into
 ``$TRUESPEC_CACHE_DIR`` (else ``~/.cache/truespec``); ~1 s, then reused. No compiler, a failed build, or
@@ -88,16 +90,31 @@ def tracks_grad(*tensors: torch.Tensor) -> bool:
     return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
-def function(name: str, argtypes: list) -> ctypes._CFuncPtr | None:
-    """The library's function ``name`` with its argument types set (int return: 0 on success), or None where the
-    library is not built."""
+def function(name: str, argtypes: list, restype: type = ctypes.c_int) -> ctypes._CFuncPtr | None:
+    """The library's function ``name`` with its argument types set (int return by default: 0 on success), or None
+    where the library is not built."""
     lib = load()
     if lib is None:
         return None
     fn = getattr(lib, name)  # the CDLL keeps this object: its types are set once
-    if fn.argtypes != argtypes:
-        fn.argtypes, fn.restype = argtypes, ctypes.c_int
+    if fn.argtypes != argtypes or fn.restype != restype:
+        fn.argtypes, fn.restype = argtypes, restype
     return fn
+
+
+class Bound:
+    """A layer's bound call (gdn_layer.c's / attention_layer.c's ``*_bind``): the C block holding what a step does not
+    change, freed with this object. ``keep`` holds the tensors its pointers read."""
+
+    def __init__(self, bind_name: str, argtypes: list, args: tuple, keep: tuple) -> None:
+        self.keep, self.address = keep, function(bind_name, argtypes, ctypes.c_void_p)(*args)
+        if not self.address:
+            raise MemoryError(f"{bind_name}: could not allocate")
+        self._free = function("bound_free", [POINTER], None)
+
+    def __del__(self) -> None:
+        if getattr(self, "address", None):
+            self._free(self.address)
 
 
 def tensor_key(weights: list[torch.Tensor], states: list[torch.Tensor]) -> tuple | None:

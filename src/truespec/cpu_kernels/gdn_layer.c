@@ -5,6 +5,7 @@
  * (stages.h), on the same rows in the same order, so a row's bits never depend on the rest of the step, as in each of
  * them; the MLP's act(gate) * up is SiLU from vexp.h, then the product. */
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "stages.h"
@@ -37,5 +38,43 @@
                                   out, residual_out);                                                         \
     }
 
+/* The bound form: what a step does not change (weights, states, shapes) copied once into a heap block by
+ * gdn_layer_bind (freed with bound_free, decoder_stack.c), so that a step's call (gdn_layer_run, or decoder_stack.c's
+ * loop over layers) passes only the step's rows and metadata. */
+#define DEFINE_GDN_LAYER_BOUND(T, SUFFIX)                                                                            \
+    typedef struct {                                                                                                 \
+        const T *norm_w, *post_w, *in_packed, *out_packed, *gate_up_packed, *down_packed, *conv_w, *A_log, *dt_bias, \
+            *gated_w;                                                                                                \
+        T norm_eps, post_eps, gated_eps, scale, l2_eps, *conv_state, *ssm_state;                                     \
+        int norm_unit, post_unit;                                                                                    \
+        int64_t D, N_in, I, conv_slot, ssm_slot, HK, HV, DK, DV, K;                                                  \
+    } gdn_bound_##SUFFIX;                                                                                            \
+    void *gdn_layer_bind_##SUFFIX(int64_t D, const T *norm_w, T norm_eps, int norm_unit, const T *post_w,          \
+                                  T post_eps, int post_unit, const T *in_packed, int64_t N_in, const T *out_packed,  \
+                                  const T *gate_up_packed, int64_t I, const T *down_packed, const T *conv_w,        \
+                                  const T *A_log, const T *dt_bias, const T *gated_w, T gated_eps, T *conv_state,   \
+                                  int64_t conv_slot, T *ssm_state, int64_t ssm_slot, int64_t HK, int64_t HV,        \
+                                  int64_t DK, int64_t DV, int64_t K, T scale, T l2_eps) {                            \
+        gdn_bound_##SUFFIX *b = malloc(sizeof *b);                                                                   \
+        if (!b) return 0;                                                                                            \
+        *b = (gdn_bound_##SUFFIX){norm_w, post_w, in_packed, out_packed, gate_up_packed, down_packed, conv_w, A_log, \
+                                  dt_bias, gated_w, norm_eps, post_eps, gated_eps, scale, l2_eps, conv_state,         \
+                                  ssm_state, norm_unit, post_unit, D, N_in, I, conv_slot, ssm_slot, HK, HV, DK, DV,   \
+                                  K};                                                                                \
+        return b;                                                                                                    \
+    }                                                                                                                \
+    int gdn_layer_run_##SUFFIX(const void *bound, const T *h, const T *residual, int64_t M, const int64_t *qsl,     \
+                               const int64_t *src, const int64_t *dst, const int64_t *wstart, int64_t R, T *work,   \
+                               T *out, T *residual_out) {                                                            \
+        const gdn_bound_##SUFFIX *b = bound;                                                                         \
+        return gdn_layer_##SUFFIX(h, residual, M, b->D, b->norm_w, b->norm_eps, b->norm_unit, b->post_w, b->post_eps, \
+                                  b->post_unit, b->in_packed, b->N_in, b->out_packed, b->gate_up_packed, b->I,       \
+                                  b->down_packed, b->conv_w, b->A_log, b->dt_bias, b->gated_w, b->gated_eps,         \
+                                  b->conv_state, b->conv_slot, b->ssm_state, b->ssm_slot, qsl, src, dst, wstart, R,  \
+                                  b->HK, b->HV, b->DK, b->DV, b->K, b->scale, b->l2_eps, work, out, residual_out);   \
+    }
+
 DEFINE_GDN_LAYER(float, f32)
 DEFINE_GDN_LAYER(double, f64)
+DEFINE_GDN_LAYER_BOUND(float, f32)
+DEFINE_GDN_LAYER_BOUND(double, f64)

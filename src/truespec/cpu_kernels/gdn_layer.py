@@ -67,19 +67,20 @@ class GdnLayerCall:
         vectors = (w.input_norm, w.post_norm, w.conv, w.A_log, w.dt_bias, w.gated_norm)
         self.tensors = (*vectors, *matrices)  # the weights (the caller asks autograd about them per call)
         self.dtype, self.dim, self.value_dim = w.in_proj.dtype, dim, num_v * dv
-        self._kept = [t.detach().contiguous() for t in vectors]  # the pointers below read these
-        packed = [cpu_linear.packed_address(m) for m in matrices]
+        kept = tuple(t.detach().contiguous() for t in vectors)  # the bound pointers read these and the packed copies
+        packs = tuple(cpu_linear.packed_copy(m) for m in matrices)
+        packed = [t.data_ptr() for t in packs]
         suffix, scalar = build.SCALARS[self.dtype]
         p, i, flag = build.POINTER, build.INT, ctypes.c_int
-        self.fn = build.function(f"gdn_layer_{suffix}", [p, p, i, i, p, scalar, flag, p, scalar, flag, p, i, p, p, i,
-                                                         p, p, p, p, p, scalar, p, i, p, i, p, p, p, p, i, i, i, i, i,
-                                                         i, scalar, scalar, p, p, p])  # fmt: skip
-        kept = [t.data_ptr() for t in self._kept]
-        self.weight_args = (kept[0], w.input_norm_eps, int(w.input_norm_unit), kept[1], w.post_norm_eps,
-                            int(w.post_norm_unit), packed[0], self.n_in, packed[1], packed[2], self.inter, packed[3],
-                            *kept[2:], w.gated_norm_eps, conv_state.data_ptr(), conv_state.stride(0),
-                            ssm_state.data_ptr(), ssm_state.stride(0))  # fmt: skip
-        self.shape_args = (num_k, num_v, dk, dv, kernel, dk**-0.5, L2NORM_EPS)
+        args = (dim, kept[0].data_ptr(), w.input_norm_eps, int(w.input_norm_unit), kept[1].data_ptr(), w.post_norm_eps,
+                int(w.post_norm_unit), packed[0], self.n_in, packed[1], packed[2], self.inter, packed[3],
+                *(t.data_ptr() for t in kept[2:]), w.gated_norm_eps, conv_state.data_ptr(), conv_state.stride(0),
+                ssm_state.data_ptr(), ssm_state.stride(0), num_k, num_v, dk, dv, kernel, dk**-0.5, L2NORM_EPS)
+        argtypes = [i, p, scalar, flag, p, scalar, flag, p, i, p, p, i, p, p, p, p, p, scalar, p, i, p, i, i, i, i, i,
+                    i, scalar, scalar]  # fmt: skip
+        self.bound = build.Bound(f"gdn_layer_bind_{suffix}", argtypes, args, kept + packs)
+        self.work_per_row = 3 * dim + self.n_in + self.value_dim + 3 * self.inter  # gdn_layer.c's scratch
+        self.fn = build.function(f"gdn_layer_run_{suffix}", [p, p, p, i, p, p, p, p, i, p, p, p])
 
     def __call__(self, h: torch.Tensor, residual: torch.Tensor | None,
                  meta: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
@@ -87,11 +88,11 @@ class GdnLayerCall:
         h = h.contiguous()
         residual = None if residual is None else residual.contiguous()
         num_rows = h.shape[0]
-        work = build.work_buffer(num_rows * (3 * self.dim + self.n_in + self.value_dim + 3 * self.inter), h.dtype)
+        work = build.work_buffer(num_rows * self.work_per_row, h.dtype)
         out, residual_out = torch.empty_like(h), torch.empty_like(h)
-        metadata = [build.as_int64(t) for t in meta]
-        status = self.fn(h.data_ptr(), None if residual is None else residual.data_ptr(), num_rows, self.dim,
-                         *self.weight_args, *(t.data_ptr() for t in metadata), metadata[1].shape[0], *self.shape_args,
+        qsl, src, dst, wstart = (build.as_int64(t) for t in meta)
+        status = self.fn(self.bound.address, h.data_ptr(), None if residual is None else residual.data_ptr(), num_rows,
+                         qsl.data_ptr(), src.data_ptr(), dst.data_ptr(), wstart.data_ptr(), src.shape[0],
                          work.data_ptr(), out.data_ptr(), residual_out.data_ptr())  # fmt: skip
         if status:
             raise MemoryError("gdn_layer: the CPU kernel could not allocate its scratch buffers")

@@ -56,8 +56,14 @@ def _packed(weight: torch.Tensor) -> _Packed:
     return weight._truespec_packed
 
 
+def packed_copy(weight: torch.Tensor) -> torch.Tensor:
+    """The weight's packed copy (the layer calls, gdn_layer.py / attention_layer.py / mlp_block.py, bind its address
+    and hold it: the copy on the weight is replaced when the weight changes in place)."""
+    return _packed(weight).packed
+
+
 def packed_address(weight: torch.Tensor) -> int:
-    """The address of the weight's packed copy (gdn_layer.c reads it; the copy lives on the weight)."""
+    """The address of the weight's packed copy (the copy lives on the weight)."""
     return _packed(weight).address
 
 

@@ -38,8 +38,9 @@ class MlpBlockCall:
         suffix, scalar = build.SCALARS[self.dtype]
         p, i = build.POINTER, build.INT
         self.fn = build.function(f"mlp_block_{suffix}", [p, p, i, i, p, scalar, ctypes.c_int, p, i, p, p, p, p])
-        self.weight_args = (self._norm.data_ptr(), norm_eps, int(norm_unit), cpu_linear.packed_address(gate_up), inter,
-                            cpu_linear.packed_address(down))  # fmt: skip
+        self._packs = (cpu_linear.packed_copy(gate_up), cpu_linear.packed_copy(down))  # held: the pointers read them
+        self.weight_args = (self._norm.data_ptr(), norm_eps, int(norm_unit), self._packs[0].data_ptr(), inter,
+                            self._packs[1].data_ptr())  # fmt: skip
 
     def __call__(self, x: torch.Tensor, stream: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(MLP output, stream + x) for x, stream [M, D] of the layer's dtype (checked by the caller)."""

@@ -17,7 +17,7 @@ from truespec.layers.mlp import GatedMLP
 from truespec.layers.norm import RMSNorm
 from truespec.layers.rotary import apply_qk_norm_rotary, rope_from_config
 from truespec.models import qwen3_5_cpu
-from truespec.models.base import CausalLM, DecoderModel, embedding
+from truespec.models.base import CausalLM, DecoderModel, embedding, run_decoder_layers
 
 _LAYER_TYPES = ("linear_attention", "full_attention")
 
@@ -102,6 +102,15 @@ class Qwen3_5TextModel(DecoderModel):
         self.layers = nn.ModuleList([Qwen3_5DecoderLayer(config, t) for t in layer_types])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, unit_offset=True)
         self.rotary_emb = rope_from_config(config, config.head_dim)
+        self.cpu_stack = qwen3_5_cpu.KeptStack()  # every layer of a CPU step in one call (models/qwen3_5_cpu.py)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        # input_ids, positions: [T] int64 -> hidden [T, hidden_size] after the final norm
+        h = self.embed_tokens(input_ids)
+        cos, sin = self.rotary_emb(positions, h.dtype)
+        if h.device.type == "cpu" and (last := qwen3_5_cpu.decoder_stack(self, h, cos, sin)) is not None:
+            return self.norm.add_norm(*last)[0]
+        return run_decoder_layers(self.layers, self.norm, h, cos, sin)
 
 
 class Qwen3_5ForCausalLM(CausalLM):

@@ -14,9 +14,10 @@ from torch import nn
 
 from truespec.cpu_kernels import attention_layer as cpu_attention_layer
 from truespec.cpu_kernels import build
+from truespec.cpu_kernels import decoder_stack as cpu_decoder_stack
 from truespec.cpu_kernels import gdn_layer as cpu_gdn_layer
 from truespec.cpu_kernels import mlp_block as cpu_mlp_block
-from truespec.forward_context import get_forward_context
+from truespec.forward_context import ForwardContext, get_forward_context
 
 Owners = list[tuple[nn.Module, str]]  # (module, parameter name) of the weights a call reads, in its key's order
 
@@ -51,15 +52,9 @@ class KeptCalls:
 def gdn_layer(layer: nn.Module, h: torch.Tensor,
               residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:  # fmt: skip
     """A GDN decoder layer's (MLP output, residual) in one call, where its kernels take every stage."""
-    gdn = layer.linear_attn
-    states = [gdn.conv_state, gdn.ssm_state]
-    if not cpu_gdn_layer.ENABLED or states[0] is None or states[1] is None or h.dim() != 2 \
-            or (residual is not None and (residual.shape != h.shape or residual.dtype != h.dtype)) \
-            or gdn.takes_kernels(h):
+    if residual is not None and (residual.shape != h.shape or residual.dtype != h.dtype):
         return None
-    call = layer.cpu_calls.get("gdn_layer", lambda: _gdn_owners(layer), states,
-                               lambda: _make_gdn_call(layer, h, states))  # fmt: skip
-    if call is None or h.dtype != call.dtype or build.tracks_grad(h, *call.tensors):
+    if (call := _gdn_call(layer, h)) is None:
         return None
     ctx = get_forward_context()
     return call(h, residual, (ctx.query_start_loc, ctx.state_src, ctx.state_dst, ctx.state_write_start))
@@ -69,16 +64,70 @@ def attention_layer(layer: nn.Module, h: torch.Tensor, residual: torch.Tensor | 
                     sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:  # fmt: skip
     """A gated-attention decoder layer's (MLP output, residual) in one call, for a step whose queries are all short
     (decodes, verifies, short chunks) over a model-dtype cache, where its kernels take every stage."""
-    attn, ctx = layer.self_attn.attn, get_forward_context()
+    if residual is not None and (residual.shape != h.shape or residual.dtype != h.dtype) or cos.dtype != h.dtype:
+        return None
+    ctx = get_forward_context()
+    if (call := _attention_call(layer, h, ctx)) is None:
+        return None
+    return call(h, residual, cos, sin, (ctx.block_tables, ctx.query_start_loc, ctx.seq_lens, ctx.slot_mapping))
+
+
+class KeptStack:
+    """A model's kept ``DecoderStackCall``, rebuilt when any of its layers' calls is."""
+
+    def __init__(self) -> None:
+        self.stack: cpu_decoder_stack.DecoderStackCall | None = None
+
+    def get(self, calls: list) -> cpu_decoder_stack.DecoderStackCall:
+        kept = self.stack
+        if kept is None or kept.calls != calls:  # the calls compare by identity
+            kept = self.stack = cpu_decoder_stack.DecoderStackCall(calls)
+        return kept
+
+
+def decoder_stack(model: nn.Module, h: torch.Tensor, cos: torch.Tensor,
+                  sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:  # fmt: skip
+    """(last layer's output, residual before it) of every decoder layer in one call, where each layer takes its whole
+    call this step; None: one call (or the stages) per layer."""
+    ctx = get_forward_context()
+    num_reqs = ctx.query_start_loc.shape[0] - 1
+    if not cpu_decoder_stack.ENABLED or h.dim() != 2 or cos.dtype != h.dtype \
+            or ctx.state_src.shape[0] != num_reqs or ctx.seq_lens.shape[0] != num_reqs:
+        return None
+    calls = []
+    for layer in model.layers:
+        is_linear = layer.layer_type == "linear_attention"
+        call = _gdn_call(layer, h) if is_linear else _attention_call(layer, h, ctx)
+        if call is None:
+            return None
+        calls.append(call)
+    return model.cpu_stack.get(calls)(h, cos, sin, (ctx.query_start_loc, ctx.state_src, ctx.state_dst,
+                                                    ctx.state_write_start), (ctx.block_tables, ctx.seq_lens,
+                                                                             ctx.slot_mapping))  # fmt: skip
+
+
+def _gdn_call(layer: nn.Module, h: torch.Tensor) -> cpu_gdn_layer.GdnLayerCall | None:
+    """The GDN layer's kept call for rows like h, or None (the stages)."""
+    gdn = layer.linear_attn
+    states = [gdn.conv_state, gdn.ssm_state]
+    if not cpu_gdn_layer.ENABLED or states[0] is None or states[1] is None or h.dim() != 2 or gdn.takes_kernels(h):
+        return None
+    call = layer.cpu_calls.get("gdn_layer", lambda: _gdn_owners(layer), states,
+                               lambda: _make_gdn_call(layer, h, states))  # fmt: skip
+    return None if call is None or h.dtype != call.dtype or build.tracks_grad(h, *call.tensors) else call
+
+
+def _attention_call(layer: nn.Module, h: torch.Tensor,
+                    ctx: ForwardContext) -> cpu_attention_layer.AttentionLayerCall | None:  # fmt: skip
+    """The attention layer's kept call for a step like ``ctx`` (short queries only) and rows like h, or None."""
+    attn = layer.self_attn.attn
     if not cpu_attention_layer.ENABLED or attn.kv_cache is None or attn.kv_format is not None \
             or attn.sparse_v is not None or ctx.max_query_len > cpu_attention_layer.MAX_BATCHED_QUERY_LEN \
-            or h.dim() != 2 or (residual is not None and (residual.shape != h.shape or residual.dtype != h.dtype)):
+            or h.dim() != 2:
         return None
     call = layer.cpu_calls.get("attention_layer", lambda: _attention_owners(layer), [attn.kv_cache],
                                lambda: _make_attention_call(layer, h, attn.kv_cache))  # fmt: skip
-    if call is None or h.dtype != call.dtype or cos.dtype != h.dtype or build.tracks_grad(h, *call.tensors):
-        return None
-    return call(h, residual, cos, sin, (ctx.block_tables, ctx.query_start_loc, ctx.seq_lens, ctx.slot_mapping))
+    return None if call is None or h.dtype != call.dtype or build.tracks_grad(h, *call.tensors) else call
 
 
 def mlp_block(layer: nn.Module, h: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
