@@ -66,3 +66,18 @@ def test_a_layer_without_its_call_sends_the_step_layer_by_layer(monkeypatch: pyt
     outs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=24, logprobs=3, ignore_eos=True),
                         use_tqdm=False)  # fmt: skip
     assert not calls and [o.outputs[0].token_ids for o in outs] == expected[0]
+
+
+def test_the_kept_stack_follows_rebound_caches_and_states(monkeypatch: pytest.MonkeyPatch) -> None:
+    # the stack binds every layer's cache and state pointers: rebinding any of them (as a runner would) must rebuild it
+    llm = LLM(str(DEFAULT_MODEL_DIR), dtype="float64", device="cpu", max_model_len=256)
+    model = llm.llm_engine.runner.model.model
+    expected = generate(llm, True, monkeypatch)
+    for rebind in ("kv_cache", "ssm_state"):
+        kept = model.cpu_stack.stack
+        for layer in model.layers:
+            owner = layer.self_attn.attn if layer.layer_type == "full_attention" else layer.linear_attn
+            if hasattr(owner, rebind):
+                setattr(owner, rebind, getattr(owner, rebind).clone())
+        assert generate(llm, True, monkeypatch) == expected
+        assert model.cpu_stack.stack is not kept

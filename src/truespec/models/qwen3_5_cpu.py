@@ -7,6 +7,7 @@ whole call or its stages, runs the same C function per stage either way. None fr
 path.
 """
 
+import operator
 from collections.abc import Callable
 
 import torch
@@ -19,6 +20,7 @@ from truespec.cpu_kernels import gdn_layer as cpu_gdn_layer
 from truespec.cpu_kernels import mlp_block as cpu_mlp_block
 from truespec.forward_context import ForwardContext, get_forward_context
 
+_DATA_PTR, _VERSION = torch.Tensor.data_ptr, operator.attrgetter("_version")
 Owners = list[tuple[nn.Module, str]]  # (module, parameter name) of the weights a call reads, in its key's order
 
 
@@ -73,16 +75,46 @@ def attention_layer(layer: nn.Module, h: torch.Tensor, residual: torch.Tensor | 
 
 
 class KeptStack:
-    """A model's kept ``DecoderStackCall``, rebuilt when any of its layers' calls is."""
+    """A model's kept ``DecoderStackCall`` with one key for all it was built from (every layer's weights and states,
+    the switches its layers' calls read): a step whose key is unchanged reuses it without asking each layer."""
 
     def __init__(self) -> None:
         self.stack: cpu_decoder_stack.DecoderStackCall | None = None
+        self._key: tuple | None = None
+        self._sources: list[tuple[dict, str]] | None = None  # every layer's weights, as KeptCalls keeps them
+        self._gdns: list[nn.Module] = []  # the GatedDeltaNet modules (their states), in layer order
+        self._attns: list[nn.Module] = []  # the PagedAttention modules (their caches)
 
-    def get(self, calls: list) -> cpu_decoder_stack.DecoderStackCall:
-        kept = self.stack
-        if kept is None or kept.calls != calls:  # the calls compare by identity
-            kept = self.stack = cpu_decoder_stack.DecoderStackCall(calls)
-        return kept
+    def key(self, model: nn.Module, h: torch.Tensor) -> tuple:
+        """What the stack's layer calls depend on, besides the step's query lengths (checked by the caller): ~25 us
+        for the embedded model's 12 layers (the per-layer checks it replaces cost ~10 us a layer)."""
+        if self._sources is None:
+            layers = list(model.layers)
+            self._gdns = [layer.linear_attn for layer in layers if layer.layer_type == "linear_attention"]
+            self._attns = [layer.self_attn.attn for layer in layers if layer.layer_type != "linear_attention"]
+            owners = [_gdn_owners(layer) if layer.layer_type == "linear_attention" else _attention_owners(layer)
+                      for layer in layers]  # fmt: skip
+            self._sources = [(m._parameters, param) for layer_owners in owners for m, param in layer_owners]
+        weights = [params[param] for params, param in self._sources]
+        states = [t for g in self._gdns for t in (g.conv_state, g.ssm_state)] + [a.kv_cache for a in self._attns]
+        if any(t is None for t in states):
+            return ()
+        settings = (cpu_gdn_layer.ENABLED, cpu_attention_layer.ENABLED, h.dtype,
+                    bool(self._gdns) and self._gdns[0].takes_kernels(h),
+                    all(a.kv_format is None and a.sparse_v is None for a in self._attns))  # fmt: skip
+        return (settings, tuple(map(id, weights)), tuple(map(_DATA_PTR, weights)), tuple(map(_VERSION, weights)),
+                tuple(map(id, states)), tuple(map(_DATA_PTR, states)))
+
+    def get(self, key: tuple, calls: Callable[[], list | None]) -> cpu_decoder_stack.DecoderStackCall | None:
+        """The kept stack if ``key`` is its key, else one over ``calls()`` (None: some layer cannot take its call)."""
+        if key != self._key or self.stack is None:
+            layer_calls = calls()
+            if layer_calls is None:
+                return None
+            if self.stack is None or self.stack.calls != layer_calls:  # the calls compare by identity
+                self.stack = cpu_decoder_stack.DecoderStackCall(layer_calls)
+            self._key = key
+        return self.stack
 
 
 def decoder_stack(model: nn.Module, h: torch.Tensor, cos: torch.Tensor,
@@ -92,8 +124,18 @@ def decoder_stack(model: nn.Module, h: torch.Tensor, cos: torch.Tensor,
     ctx = get_forward_context()
     num_reqs = ctx.query_start_loc.shape[0] - 1
     if not cpu_decoder_stack.ENABLED or h.dim() != 2 or cos.dtype != h.dtype \
-            or ctx.state_src.shape[0] != num_reqs or ctx.seq_lens.shape[0] != num_reqs:
+            or ctx.state_src.shape[0] != num_reqs or ctx.seq_lens.shape[0] != num_reqs \
+            or ctx.max_query_len > cpu_attention_layer.MAX_BATCHED_QUERY_LEN:
         return None
+    stack = model.cpu_stack.get(model.cpu_stack.key(model, h), lambda: _layer_calls(model, h, ctx))
+    if stack is None or torch.is_grad_enabled() and build.tracks_grad(h, *(t for c in stack.calls for t in c.tensors)):
+        return None
+    return stack(h, cos, sin, (ctx.query_start_loc, ctx.state_src, ctx.state_dst, ctx.state_write_start),
+                 (ctx.block_tables, ctx.seq_lens, ctx.slot_mapping))  # fmt: skip
+
+
+def _layer_calls(model: nn.Module, h: torch.Tensor, ctx: ForwardContext) -> list | None:
+    """Each layer's kept call for this step, in layer order; None if some layer cannot take its call."""
     calls = []
     for layer in model.layers:
         is_linear = layer.layer_type == "linear_attention"
@@ -101,9 +143,7 @@ def decoder_stack(model: nn.Module, h: torch.Tensor, cos: torch.Tensor,
         if call is None:
             return None
         calls.append(call)
-    return model.cpu_stack.get(calls)(h, cos, sin, (ctx.query_start_loc, ctx.state_src, ctx.state_dst,
-                                                    ctx.state_write_start), (ctx.block_tables, ctx.seq_lens,
-                                                                             ctx.slot_mapping))  # fmt: skip
+    return calls
 
 
 def _gdn_call(layer: nn.Module, h: torch.Tensor) -> cpu_gdn_layer.GdnLayerCall | None:
