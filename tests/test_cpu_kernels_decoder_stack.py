@@ -81,3 +81,21 @@ def test_the_kept_stack_follows_rebound_caches_and_states(monkeypatch: pytest.Mo
                 setattr(owner, rebind, getattr(owner, rebind).clone())
         assert generate(llm, True, monkeypatch) == expected
         assert model.cpu_stack.stack is not kept
+
+
+def test_an_inference_tensor_weight_sends_the_step_layer_by_layer(monkeypatch: pytest.MonkeyPatch) -> None:
+    # a weight made under torch.inference_mode has no version counter: its layer keeps the stages, so the stack is off
+    llm = LLM(str(DEFAULT_MODEL_DIR), dtype="float32", device="cpu", max_model_len=256)
+    expected = generate(llm, False, monkeypatch)
+    norm = llm.llm_engine.runner.model.model.layers[5].input_layernorm
+    with torch.inference_mode():
+        weight = norm.weight.detach().clone()
+    norm.weight = torch.nn.Parameter(weight, requires_grad=False)
+    assert norm.weight.is_inference()
+    calls = []
+    call = cpu_decoder_stack.DecoderStackCall.__call__
+    monkeypatch.setattr(cpu_decoder_stack.DecoderStackCall, "__call__", lambda *a, f=call: calls.append(1) or f(*a))
+    llm.reset_prefix_cache()
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=24, logprobs=3, ignore_eos=True),
+                        use_tqdm=False)  # fmt: skip
+    assert not calls and [o.outputs[0].token_ids for o in outs] == expected[0]

@@ -102,8 +102,12 @@ class KeptStack:
         settings = (cpu_gdn_layer.ENABLED, cpu_attention_layer.ENABLED, h.dtype,
                     bool(self._gdns) and self._gdns[0].takes_kernels(h),
                     all(a.kv_format is None and a.sparse_v is None for a in self._attns))  # fmt: skip
-        return (settings, tuple(map(id, weights)), tuple(map(_DATA_PTR, weights)), tuple(map(_VERSION, weights)),
-                tuple(map(id, states)), tuple(map(_DATA_PTR, states)))
+        try:
+            versions = tuple(map(_VERSION, weights))
+        except RuntimeError:  # an inference tensor has no version: its layer keeps the stages (KeptCalls)
+            return ()
+        return (settings, tuple(map(id, weights)), tuple(map(_DATA_PTR, weights)), versions, tuple(map(id, states)),
+                tuple(map(_DATA_PTR, states)))
 
     def get(self, key: tuple, calls: Callable[[], list | None]) -> cpu_decoder_stack.DecoderStackCall | None:
         """The kept stack if ``key`` is its key, else one over ``calls()`` (None: some layer cannot take its call)."""
