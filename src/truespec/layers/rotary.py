@@ -54,7 +54,8 @@ def rope_from_config(config: Any, head_dim: int) -> "RotaryEmbedding":
 
 
 class RotaryEmbedding(nn.Module):
-    """Computes (cos, sin) for a step's positions once; ``apply_qk_norm_rotary`` uses them in every layer."""
+    """Computes (cos, sin) for a step's positions once; ``apply_qk_norm_rotary`` uses them in every layer. On the
+    CPU they are rows of a table of every position so far (computed once, grown by doubling)."""
 
     def __init__(self, head_dim: int, rotary_dim: int, inv_freq: torch.Tensor, attention_scaling: float) -> None:
         super().__init__()
@@ -67,9 +68,26 @@ class RotaryEmbedding(nn.Module):
     def init_buffers(self, device: torch.device) -> None:
         """Re-create ``inv_freq`` on ``device`` (after the model was materialised from the meta device)."""
         self.inv_freq = self._inv_freq_host.to(device)
+        self._tables = {}
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         # positions: [num_tokens] int64 -> cos, sin: [num_tokens, rotary_dim] in ``dtype``.
+        if positions.device.type == "cpu" and positions.numel():  # rows of a table: ~6 small ops fewer a step
+            cos, sin = self._table(int(positions.max()) + 1, dtype)
+            return cos[positions], sin[positions]
+        return self._angles(positions, dtype)
+
+    def _table(self, length: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) of positions 0 .. n - 1 for some n >= length (a power of two, grown as positions grow),
+        computed by the same ops as a step's positions: a position's values are the same whichever step holds it."""
+        tables = self.__dict__.setdefault("_tables", {})
+        kept = tables.get(dtype)
+        if kept is None or kept[0].shape[0] < length:
+            n = max(256, 1 << (length - 1).bit_length())
+            kept = tables[dtype] = self._angles(torch.arange(n, device=self.inv_freq.device), dtype)
+        return kept
+
+    def _angles(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         cdt = compute_dtype(dtype)
         freqs = positions.to(cdt)[:, None] * self.inv_freq.to(cdt)[None, :]
         emb = torch.cat([freqs, freqs], dim=-1)

@@ -108,8 +108,8 @@ class Qwen3_5TextModel(DecoderModel):
         # input_ids, positions: [T] int64 -> hidden [T, hidden_size] after the final norm
         h = self.embed_tokens(input_ids)
         cos, sin = self.rotary_emb(positions, h.dtype)
-        if h.device.type == "cpu" and (last := qwen3_5_cpu.decoder_stack(self, h, cos, sin)) is not None:
-            return self.norm.add_norm(*last)[0]
+        if h.device.type == "cpu" and (hidden := qwen3_5_cpu.decoder_stack(self, h, cos, sin)) is not None:
+            return hidden
         return run_decoder_layers(self.layers, self.norm, h, cos, sin)
 
 

@@ -95,6 +95,7 @@ class KeptStack:
             owners = [_gdn_owners(layer) if layer.layer_type == "linear_attention" else _attention_owners(layer)
                       for layer in layers]  # fmt: skip
             self._sources = [(m._parameters, param) for layer_owners in owners for m, param in layer_owners]
+            self._sources.append((model.norm._parameters, "weight"))
         weights = [params[param] for params, param in self._sources]
         states = [t for g in self._gdns for t in (g.conv_state, g.ssm_state)] + [a.kv_cache for a in self._attns]
         if any(t is None for t in states):
@@ -109,29 +110,29 @@ class KeptStack:
         return (settings, tuple(map(id, weights)), tuple(map(_DATA_PTR, weights)), versions, tuple(map(id, states)),
                 tuple(map(_DATA_PTR, states)))
 
-    def get(self, key: tuple, calls: Callable[[], list | None]) -> cpu_decoder_stack.DecoderStackCall | None:
-        """The kept stack if ``key`` is its key, else one over ``calls()`` (None: some layer cannot take its call)."""
+    def get(self, key: tuple, calls: Callable[[], list | None],
+            norm: nn.Module) -> cpu_decoder_stack.DecoderStackCall | None:  # fmt: skip
+        """The kept stack if ``key`` is its key, else one over ``calls()`` and the final ``norm`` (None: some layer
+        cannot take its call)."""
         if key != self._key or self.stack is None:
             layer_calls = calls()
             if layer_calls is None:
                 return None
-            if self.stack is None or self.stack.calls != layer_calls:  # the calls compare by identity
-                self.stack = cpu_decoder_stack.DecoderStackCall(layer_calls)
+            self.stack = cpu_decoder_stack.DecoderStackCall(layer_calls, norm.weight, norm.eps, norm.unit_offset)
             self._key = key
         return self.stack
 
 
-def decoder_stack(model: nn.Module, h: torch.Tensor, cos: torch.Tensor,
-                  sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:  # fmt: skip
-    """(last layer's output, residual before it) of every decoder layer in one call, where each layer takes its whole
-    call this step; None: one call (or the stages) per layer."""
+def decoder_stack(model: nn.Module, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:
+    """The model's hidden states (every decoder layer, then its final norm) in one call, where each layer takes its
+    whole call this step; None: one call (or the stages) per layer."""
     ctx = get_forward_context()
     num_reqs = ctx.query_start_loc.shape[0] - 1
     if not cpu_decoder_stack.ENABLED or h.dim() != 2 or cos.dtype != h.dtype \
             or ctx.state_src.shape[0] != num_reqs or ctx.seq_lens.shape[0] != num_reqs \
             or ctx.max_query_len > cpu_attention_layer.MAX_BATCHED_QUERY_LEN:
         return None
-    stack = model.cpu_stack.get(model.cpu_stack.key(model, h), lambda: _layer_calls(model, h, ctx))
+    stack = model.cpu_stack.get(model.cpu_stack.key(model, h), lambda: _layer_calls(model, h, ctx), model.norm)
     if stack is None or torch.is_grad_enabled() and build.tracks_grad(h, *(t for c in stack.calls for t in c.tensors)):
         return None
     return stack(h, cos, sin, (ctx.query_start_loc, ctx.state_src, ctx.state_dst, ctx.state_write_start),
