@@ -33,6 +33,18 @@ def generate(llm: LLM, stack: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[li
     return [o.outputs[0].token_ids for o in outs], [o.outputs[0].logprobs for o in outs]
 
 
+def assert_layer_by_layer(llm: LLM, expected_tokens: list, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the stack on, a run that never takes it (some layer cannot) gives the per-layer tokens."""
+    monkeypatch.setattr(cpu_decoder_stack, "ENABLED", True)
+    calls = []
+    call = cpu_decoder_stack.DecoderStackCall.__call__
+    monkeypatch.setattr(cpu_decoder_stack.DecoderStackCall, "__call__", lambda *a, f=call: calls.append(1) or f(*a))
+    llm.reset_prefix_cache()
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=24, logprobs=3, ignore_eos=True),
+                        use_tqdm=False)  # fmt: skip
+    assert not calls and [o.outputs[0].token_ids for o in outs] == expected_tokens
+
+
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 @pytest.mark.parametrize("spec", [None, NGRAM], ids=["plain", "ngram"])
 def test_the_stack_gives_the_per_layer_bits(dtype: str, spec: dict | None, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -59,13 +71,7 @@ def test_a_layer_without_its_call_sends_the_step_layer_by_layer(monkeypatch: pyt
     llm = LLM(str(DEFAULT_MODEL_DIR), dtype="float32", device="cpu", max_model_len=256)
     expected = generate(llm, False, monkeypatch)
     monkeypatch.setattr(cpu_attention_layer, "ENABLED", False)
-    calls = []
-    call = cpu_decoder_stack.DecoderStackCall.__call__
-    monkeypatch.setattr(cpu_decoder_stack.DecoderStackCall, "__call__", lambda *a, f=call: calls.append(1) or f(*a))
-    llm.reset_prefix_cache()
-    outs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=24, logprobs=3, ignore_eos=True),
-                        use_tqdm=False)  # fmt: skip
-    assert not calls and [o.outputs[0].token_ids for o in outs] == expected[0]
+    assert_layer_by_layer(llm, expected[0], monkeypatch)
 
 
 def test_the_kept_stack_follows_rebound_caches_and_states(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -92,10 +98,4 @@ def test_an_inference_tensor_weight_sends_the_step_layer_by_layer(monkeypatch: p
         weight = norm.weight.detach().clone()
     norm.weight = torch.nn.Parameter(weight, requires_grad=False)
     assert norm.weight.is_inference()
-    calls = []
-    call = cpu_decoder_stack.DecoderStackCall.__call__
-    monkeypatch.setattr(cpu_decoder_stack.DecoderStackCall, "__call__", lambda *a, f=call: calls.append(1) or f(*a))
-    llm.reset_prefix_cache()
-    outs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=24, logprobs=3, ignore_eos=True),
-                        use_tqdm=False)  # fmt: skip
-    assert not calls and [o.outputs[0].token_ids for o in outs] == expected[0]
+    assert_layer_by_layer(llm, expected[0], monkeypatch)
