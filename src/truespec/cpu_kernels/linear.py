@@ -62,11 +62,6 @@ def packed_copy(weight: torch.Tensor) -> torch.Tensor:
     return _packed(weight).packed
 
 
-def packed_address(weight: torch.Tensor) -> int:
-    """The address of the weight's packed copy (the copy lives on the weight)."""
-    return _packed(weight).address
-
-
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """[M, N] in x's dtype. Check ``can_run`` first."""
     w = _packed(weight)

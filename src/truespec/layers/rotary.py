@@ -64,6 +64,7 @@ class RotaryEmbedding(nn.Module):
         self.attention_scaling = attention_scaling
         self._inv_freq_host = inv_freq  # [rotary_dim // 2] float32 on CPU, survives to_empty()
         self.register_buffer("inv_freq", inv_freq.clone(), persistent=False)
+        self._tables: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}  # the CPU's cos / sin by dtype
 
     def init_buffers(self, device: torch.device) -> None:
         """Re-create ``inv_freq`` on ``device`` (after the model was materialised from the meta device)."""
@@ -80,11 +81,10 @@ class RotaryEmbedding(nn.Module):
     def _table(self, length: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin) of positions 0 .. n - 1 for some n >= length (a power of two, grown as positions grow),
         computed by the same ops as a step's positions: a position's values are the same whichever step holds it."""
-        tables = self.__dict__.setdefault("_tables", {})
-        kept = tables.get(dtype)
+        kept = self._tables.get(dtype)
         if kept is None or kept[0].shape[0] < length:
             n = max(256, 1 << (length - 1).bit_length())
-            kept = tables[dtype] = self._angles(torch.arange(n, device=self.inv_freq.device), dtype)
+            kept = self._tables[dtype] = self._angles(torch.arange(n, device=self.inv_freq.device), dtype)
         return kept
 
     def _angles(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -66,6 +66,10 @@ class DecoderModel(nn.Module):
         # input_ids, positions: [T] -> hidden [T, hidden_size] after the final norm
         h = self.embed_tokens(input_ids)
         cos, sin = self.rotary_emb(positions, h.dtype)
+        return self.run_layers(h, cos, sin)
+
+    def run_layers(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """h [T, H] -> the hidden states after every layer and the final norm (``run_decoder_layers``)."""
         return run_decoder_layers(self.layers, self.norm, h, cos, sin)
 
 

@@ -17,7 +17,7 @@ from truespec.layers.mlp import GatedMLP
 from truespec.layers.norm import RMSNorm
 from truespec.layers.rotary import apply_qk_norm_rotary, rope_from_config
 from truespec.models import qwen3_5_cpu
-from truespec.models.base import CausalLM, DecoderModel, embedding, run_decoder_layers
+from truespec.models.base import CausalLM, DecoderModel, embedding
 
 _LAYER_TYPES = ("linear_attention", "full_attention")
 
@@ -104,13 +104,10 @@ class Qwen3_5TextModel(DecoderModel):
         self.rotary_emb = rope_from_config(config, config.head_dim)
         self.cpu_stack = qwen3_5_cpu.KeptStack()  # every layer of a CPU step in one call (models/qwen3_5_cpu.py)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        # input_ids, positions: [T] int64 -> hidden [T, hidden_size] after the final norm
-        h = self.embed_tokens(input_ids)
-        cos, sin = self.rotary_emb(positions, h.dtype)
+    def run_layers(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         if h.device.type == "cpu" and (hidden := qwen3_5_cpu.decoder_stack(self, h, cos, sin)) is not None:
             return hidden
-        return run_decoder_layers(self.layers, self.norm, h, cos, sin)
+        return super().run_layers(h, cos, sin)
 
 
 class Qwen3_5ForCausalLM(CausalLM):

@@ -7,7 +7,6 @@ whole call or its stages, runs the same C function per stage either way. None fr
 path.
 """
 
-import operator
 from collections.abc import Callable
 
 import torch
@@ -20,7 +19,6 @@ from truespec.cpu_kernels import gdn_layer as cpu_gdn_layer
 from truespec.cpu_kernels import mlp_block as cpu_mlp_block
 from truespec.forward_context import ForwardContext, get_forward_context
 
-_DATA_PTR, _VERSION = torch.Tensor.data_ptr, operator.attrgetter("_version")
 Owners = list[tuple[nn.Module, str]]  # (module, parameter name) of the weights a call reads, in its key's order
 
 
@@ -103,12 +101,8 @@ class KeptStack:
         settings = (cpu_gdn_layer.ENABLED, cpu_attention_layer.ENABLED, h.dtype,
                     bool(self._gdns) and self._gdns[0].takes_kernels(h),
                     all(a.kv_format is None and a.sparse_v is None for a in self._attns))  # fmt: skip
-        try:
-            versions = tuple(map(_VERSION, weights))
-        except RuntimeError:  # an inference tensor has no version: its layer keeps the stages (KeptCalls)
-            return ()
-        return (settings, tuple(map(id, weights)), tuple(map(_DATA_PTR, weights)), versions, tuple(map(id, states)),
-                tuple(map(_DATA_PTR, states)))
+        # no inference-tensor check here: a layer with such weights gets no call (KeptCalls), so no stack is built
+        return settings, build.storage_key(weights, states)
 
     def get(self, key: tuple, calls: Callable[[], list | None],
             norm: nn.Module) -> cpu_decoder_stack.DecoderStackCall | None:  # fmt: skip
