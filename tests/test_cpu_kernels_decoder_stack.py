@@ -89,13 +89,18 @@ def test_the_kept_stack_follows_rebound_caches_and_states(monkeypatch: pytest.Mo
         assert model.cpu_stack.stack is not kept
 
 
-def test_an_inference_tensor_weight_sends_the_step_layer_by_layer(monkeypatch: pytest.MonkeyPatch) -> None:
-    # a weight made under torch.inference_mode has no version counter: its layer keeps the stages, so the stack is off
+@pytest.mark.parametrize("wrapped", ["outside", "inside"], ids=["parameter_outside", "parameter_inside"])
+def test_an_inference_tensor_weight_sends_the_step_layer_by_layer(wrapped: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # a weight made under torch.inference_mode has no version counter (made a Parameter inside inference mode, reading
+    # it raises; outside, it reads 0): its layer keeps the stages, so the stack is off
     llm = LLM(str(DEFAULT_MODEL_DIR), dtype="float32", device="cpu", max_model_len=256)
     expected = generate(llm, False, monkeypatch)
     norm = llm.llm_engine.runner.model.model.layers[5].input_layernorm
     with torch.inference_mode():
         weight = norm.weight.detach().clone()
-    norm.weight = torch.nn.Parameter(weight, requires_grad=False)
+        if wrapped == "inside":
+            norm.weight = torch.nn.Parameter(weight, requires_grad=False)
+    if wrapped == "outside":
+        norm.weight = torch.nn.Parameter(weight, requires_grad=False)
     assert norm.weight.is_inference()
     assert_layer_by_layer(llm, expected[0], monkeypatch)

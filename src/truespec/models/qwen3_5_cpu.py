@@ -101,8 +101,10 @@ class KeptStack:
         settings = (cpu_gdn_layer.ENABLED, cpu_attention_layer.ENABLED, h.dtype,
                     bool(self._gdns) and self._gdns[0].takes_kernels(h),
                     all(a.kv_format is None and a.sparse_v is None for a in self._attns))  # fmt: skip
-        # no inference-tensor check here: a layer with such weights gets no call (KeptCalls), so no stack is built
-        return settings, build.storage_key(weights, states)
+        try:
+            return settings, build.storage_key(weights, states)
+        except RuntimeError:  # an inference-tensor weight has no version: its layer keeps the stages (KeptCalls)
+            return ()
 
     def get(self, key: tuple, calls: Callable[[], list | None],
             norm: nn.Module) -> cpu_decoder_stack.DecoderStackCall | None:  # fmt: skip
