@@ -90,7 +90,8 @@ def test_the_kept_stack_follows_rebound_caches_and_states(monkeypatch: pytest.Mo
 
 
 @pytest.mark.parametrize("wrapped", ["outside", "inside"], ids=["parameter_outside", "parameter_inside"])
-def test_an_inference_tensor_weight_sends_the_step_layer_by_layer(wrapped: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_an_inference_tensor_weight_sends_the_step_layer_by_layer(wrapped: str,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     # a weight made under torch.inference_mode has no version counter (made a Parameter inside inference mode, reading
     # it raises; outside, it reads 0): its layer keeps the stages, so the stack is off
     llm = LLM(str(DEFAULT_MODEL_DIR), dtype="float32", device="cpu", max_model_len=256)
