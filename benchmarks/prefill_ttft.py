@@ -4,7 +4,8 @@
         [--stall 32768] [--json FILE]
 
 TTFT: per (prompt length, batch size), ``batch size`` distinct random-id prompts sent at once, one output token each
-(greedy, prefix caching off, the engine's default chunk budget); the mean TTFT of the batch, the batch's wall time
+(greedy, prefix caching off, the engine's default chunk budget; ``--repeats`` such runs, the median by wall time
+reported); the mean TTFT of the batch, the batch's wall time
 and the prefill FLOP/s it achieved (2 x non-embedding parameters per prompt token, the lm_head once per request,
 plus 2 x 2 x heads x head_dim x L^2 / 2 per attention layer: causal QK^T and PV). One untimed warm-up per length.
 
@@ -46,18 +47,22 @@ def prefill_flops(llm: LLM, length: int) -> float:
     return 2 * params * length + 2 * lm_head + num_attn * 2 * cfg.num_attention_heads * head_dim * length * length
 
 
-def ttft(llm: LLM, length: int, batch_size: int, vocab_size: int) -> dict[str, float]:
+def ttft(llm: LLM, length: int, batch_size: int, vocab_size: int, repeats: int = 1) -> dict[str, float]:
+    """The run with the median batch wall time of ``repeats`` (distinct prompts each), after one warm-up."""
     params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     llm.generate(random_prompts(vocab_size, 1, length, seed=1), params, use_tqdm=False)  # warm-up
-    prompts = random_prompts(vocab_size, batch_size, length, seed=length + batch_size)
-    sync()
-    start = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    sync()
-    wall = time.perf_counter() - start
+    runs = []
+    for i in range(repeats):
+        prompts = random_prompts(vocab_size, batch_size, length, seed=length + batch_size + 1000 * i)
+        sync()
+        start = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        sync()
+        runs.append((time.perf_counter() - start, statistics.mean(o.metrics.time_to_first_token for o in outs)))
+    wall, first = sorted(runs)[len(runs) // 2]
     flops = batch_size * prefill_flops(llm, length)
-    return {"ttft_ms": 1e3 * statistics.mean(o.metrics.time_to_first_token for o in outs), "wall_ms": 1e3 * wall,
-            "prefill_tok_s": batch_size * length / wall, "tflops": flops / wall / 1e12}  # fmt: skip
+    return {"ttft_ms": 1e3 * first, "wall_ms": 1e3 * wall, "prefill_tok_s": batch_size * length / wall,
+            "tflops": flops / wall / 1e12, "all_wall_ms": [round(1e3 * w, 2) for w, _ in runs]}  # fmt: skip
 
 
 def stall(llm: LLM, length: int, vocab_size: int) -> dict[str, float]:
@@ -97,6 +102,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", required=True)
     parser.add_argument("--prompts", type=int, nargs="+", default=[512, 8192, 32768])
+    parser.add_argument("--repeats", type=int, default=1, help="timed runs per row (the median is reported)")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--stall", type=int, default=None, help="prompt length that arrives while 8 requests decode")
     parser.add_argument("--label", default="")
@@ -111,7 +117,7 @@ def main() -> None:
               max_num_seqs=max(args.batch_sizes + [9]), enable_prefix_caching=False,
               long_prefill_token_threshold=args.long_prefill_token_threshold)  # fmt: skip
     vocab = llm.llm_engine.vocab_size
-    rows = {f"{p}/{b}": ttft(llm, p, b, vocab) for p in args.prompts for b in args.batch_sizes}
+    rows = {f"{p}/{b}": ttft(llm, p, b, vocab, args.repeats) for p in args.prompts for b in args.batch_sizes}
     stalled = stall(llm, args.stall, vocab) if args.stall else None
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     print(f"\n{device} {args.label}: TTFT of random prompts ({args.dtype}, prefix caching off)")

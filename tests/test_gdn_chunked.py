@@ -178,6 +178,23 @@ def test_chunked_requests_read_sources_first_and_keep_only_final_states(
         check_against_reference(batch(rows, hk=2, hv=4, dk=8, dv=12, dtype=dtype, seed=seed), 8, tol=0)
 
 
+def test_widened_inputs_give_the_model_dtype_inputs_bits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """q, k, v handed over in fp32 holding bf16 values (the conv's ``split`` output, as the layer passes them with
+    ``model_dtype``): the same output (in bf16) and states, bit for bit, as the bf16 tensors themselves, for the
+    chunk kernel's requests and the loop's alike; so too where no request takes the chunk kernel."""
+    monkeypatch.setattr(chunked_mod, "_chunk_kernel", lambda: reference_chunk_kernel)
+    rows = mixed_rows(random.Random(7), long=(8, 14), short_max=7)
+    b = batch(rows, hk=2, hv=4, dk=8, dv=12, dtype=torch.bfloat16, seed=7)
+    kwargs = {f"{name}_cpu": x for name, x in b["host"].items()}
+    for min_chunk_len in (8, 10**6):
+        narrow, wide = b["state"].clone(), b["state"].clone()
+        qkv = [b[n] for n in ("q", "k", "v")]
+        expected = gdn_chunked(*qkv, b["g"], b["beta"], narrow, **b["meta"], **kwargs, min_chunk_len=min_chunk_len)
+        out = gdn_chunked(*(x.float() for x in qkv), b["g"], b["beta"], wide, **b["meta"], **kwargs,
+                          min_chunk_len=min_chunk_len, model_dtype=torch.bfloat16)  # fmt: skip
+        assert out.dtype == torch.bfloat16 and torch.equal(out, expected) and torch.equal(wide, narrow)
+
+
 def test_flagged_requests_go_to_the_chunk_kernel_whatever_their_length() -> None:
     """A GdnPrefillRule's flags (core/gdn_prefill_rule.py) replace the length rule: a flagged 1-token chunk goes to
     the chunk kernel, an unflagged 2000-token one to the loop; a flagged query keeping more than its final state

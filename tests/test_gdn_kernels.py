@@ -203,6 +203,35 @@ def test_causal_conv1d_tile_rows_take_their_own_request(dtype: torch.dtype) -> N
     check_causal_conv1d(dtype, rows, channels=40, kernel=4, block_c=16, block_t=8)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("widths", [(16, 8, 16), (7, 13, 20)])
+def test_causal_conv1d_split_output_holds_the_same_values(dtype: torch.dtype, widths: tuple) -> None:
+    """``split`` writes q / k / v as three contiguous tensors (fla's chunk kernel takes them so, in fp32): each the
+    plain output's columns bit for bit, in x's dtype or exactly widened to fp32, with the same window updates; tiles
+    of 8 rows x 16 channels that straddle both requests and blocks (widths not multiples of 16 included)."""
+    gen = torch.Generator().manual_seed(6)
+    rows = [(1, 5, 1, 0), (4, 3, 4, 0), (20, -1, 13, 19), (19, 18, 17, 18), (2, -1, 20, 1)]
+    batch = state_batch(rows)
+    num_tokens = batch["query_start_loc"][-1].item() + NUM_PAD_TOKENS
+    x = randn(num_tokens, 40, dtype=dtype, gen=gen)
+    weight = randn(40, 1, 4, dtype=dtype, gen=gen)
+    conv_state = randn(NUM_SLOTS, 40, 3, dtype=dtype, gen=gen)
+    args = (batch["query_start_loc"], batch["state_src"], batch["state_dst"], batch["state_write_start"])
+    plain_state = conv_state.clone()
+    plain = causal_conv1d(x, weight, plain_state, *args, block_t=8, block_c=16)
+    expected = plain.split(list(widths), dim=-1)
+    for out_dtype in (None, torch.float32):
+        state = conv_state.clone()
+        with poisoned_empty():
+            parts = causal_conv1d(x, weight, state, *args, block_t=8, block_c=16, split=widths, out_dtype=out_dtype)
+        assert torch.equal(state, plain_state)
+        for part, want in zip(parts, expected, strict=True):
+            assert part.is_contiguous() and part.dtype == (out_dtype or dtype)
+            assert torch.equal(part, want.to(part.dtype))
+    with pytest.raises(ValueError, match="three positive widths"):
+        causal_conv1d(x, weight, conv_state, *args, split=(20, 20, 1))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_conv_window_gather_is_index_select_where_a_source_exists(dtype: torch.dtype) -> None:
     """gather_windows copies slot state_src[r] bit for bit, from a strided state too (a view of wider slots),

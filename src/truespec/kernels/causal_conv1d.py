@@ -18,6 +18,11 @@ position), the starting windows are first copied into a separate buffer [R, C, K
 kernel: the conv kernel runs after it on the stream, so every read of a source slot precedes every write.
 (A gather of only the rows with state_src >= 0: the conv kernel never reads the others, so the buffer needs
 no fill, and it is one launch where torch takes two, a clamp and an index_select.)
+
+``split`` (widths summing to C) writes the output as that many separate contiguous [T, width] tensors instead of one
+[T, C], optionally in a wider ``out_dtype`` holding exactly the x-dtype values: fla's chunk kernel takes q, k, v
+contiguous in fp32 (kernels/gdn_chunked.py), which otherwise costs a strided copy of each (3.3 ms of an 8K prefill's
+55.8 ms on the Qwen3.5-0.8B shape, H200).
 """
 
 import torch
@@ -91,12 +96,15 @@ def _causal_conv1d_kernel(
     stride_o_tok,
     stride_cs_slot,
     stride_cs_c,
+    split_1,  # SPLIT: channels [0, split_1), [split_1, split_2), [split_2, C) go to three [T, width] blocks of out
+    split_2,
     C: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_C: tl.constexpr,
     K: tl.constexpr,
     APPLY_SILU: tl.constexpr,
     ACC_DTYPE: tl.constexpr,
+    SPLIT: tl.constexpr,
 ):
     tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BLOCK_T] packed rows, of any requests
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -122,13 +130,20 @@ def _causal_conv1d_kernel(
         acc += w[None, :] * x.to(ACC_DTYPE)
         if j > 0:  # inputs 1..K-1 are the window ending at the row: kept rows store them, from these registers
             tl.store(window_ptr + (j - 1), x.to(conv_state_ptr.dtype.element_ty), mask=keep_mask)
-    y = acc.to(out_ptr.dtype.element_ty).to(ACC_DTYPE)  # the conv output rounds to the model dtype first
+    y = acc.to(x_ptr.dtype.element_ty).to(ACC_DTYPE)  # the conv output rounds to the model dtype first
     if APPLY_SILU:
         y = y / (1.0 + tl.exp(-y))
-    y = tl.where(is_valid[:, None], y, 0.0)
-    out_rows = tokens.to(tl.int64) * stride_o_tok
+    y = tl.where(is_valid[:, None], y, 0.0).to(x_ptr.dtype.element_ty)  # the x-dtype value, whatever out's dtype
     out_mask = (tokens < num_tokens)[:, None] & c_mask[None, :]
-    tl.store(out_ptr + out_rows[:, None] + c[None, :], y.to(out_ptr.dtype.element_ty), mask=out_mask)
+    if SPLIT:  # channel c of block b at [num_tokens * start_b] + token * width_b + (c - start_b)
+        in_2, in_3 = c >= split_1, c >= split_2
+        block_start = tl.where(in_3, split_2, tl.where(in_2, split_1, 0))
+        width = tl.where(in_3, C - split_2, tl.where(in_2, split_2 - split_1, split_1)).to(tl.int64)
+        base = block_start.to(tl.int64) * num_tokens + (c - block_start)
+        offsets = base[None, :] + tokens.to(tl.int64)[:, None] * width[None, :]
+    else:
+        offsets = (tokens.to(tl.int64) * stride_o_tok)[:, None] + c[None, :]
+    tl.store(out_ptr + offsets, y.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
 def causal_conv1d(
@@ -143,10 +158,13 @@ def causal_conv1d(
     block_t: int | None = None,
     block_c: int | None = None,
     num_warps: int = 4,
-) -> torch.Tensor:
+    split: tuple[int, int, int] | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Conv + activation of x [T, C] with weight [C, K] (or nn.Conv1d's [C, 1, K]); updates ``conv_state``
     [num_slots, C, K-1] in place. Returns [T, C] in x's dtype (rows past query_start_loc[R], a graph's
-    padding: zeros)."""
+    padding: zeros), or with ``split`` (three widths summing to C) three contiguous [T, width] tensors holding the
+    same values, in ``out_dtype`` (default x's; a wider one holds the x-dtype values exactly)."""
     num_tokens, channels = x.shape
     weight = weight.reshape(channels, -1).contiguous()
     kernel = weight.shape[1]
@@ -154,20 +172,39 @@ def causal_conv1d(
         raise ValueError(f"x {tuple(x.shape)} / weight K={kernel} do not fit conv_state {tuple(conv_state.shape)}")
     if activation not in ("silu", "swish", None):
         raise ValueError(f"causal_conv1d supports activation 'silu' or None, got {activation!r}")
-    out = torch.empty_like(x)
+    if split is not None and (len(split) != 3 or sum(split) != channels or min(split) <= 0):
+        raise ValueError(f"split {split} must be three positive widths summing to the {channels} channels")
+    out = torch.empty(num_tokens * channels, dtype=out_dtype or x.dtype, device=x.device)
+    if split is None:
+        out = out.view(num_tokens, channels)
     num_reqs = state_src.shape[0]
     if num_reqs == 0:
-        return out.zero_()
+        out.zero_()
+    else:
+        _launch(out, x, weight, conv_state, (query_start_loc, state_src, state_dst, state_write_start), activation,
+                block_t, block_c, num_warps, split)
+    if split is None:
+        return out
+    parts = out.split([num_tokens * width for width in split])
+    return tuple(part.view(num_tokens, width) for part, width in zip(parts, split, strict=True))
+
+
+def _launch(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor,
+            meta: tuple[torch.Tensor, ...], activation: str | None, block_t: int | None, block_c: int | None,
+            num_warps: int, split: tuple[int, int, int] | None) -> None:  # fmt: skip
+    num_tokens, channels = x.shape
+    query_start_loc, state_src, state_dst, state_write_start = meta
+    num_reqs = state_src.shape[0]
     init = gather_windows(conv_state, state_src)  # [R, C, K-1]: every read before the kernel's writes
     if block_t is None:  # decode / verify steps keep the row-per-program launch measured fastest for them
         block_t = 1 if num_tokens <= SMALL_STEP_TOKENS else 4
     if block_c is None:
         block_c = 256
     grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(channels, block_c))
+    split_1, split_2 = (0, 0) if split is None else (split[0], split[0] + split[1])
     _causal_conv1d_kernel[grid](
         out, x, weight, init, conv_state, query_start_loc, state_src, state_dst, state_write_start, num_tokens,
-        num_reqs, x.stride(0), out.stride(0), conv_state.stride(0), conv_state.stride(1),
-        C=channels, BLOCK_T=block_t, BLOCK_C=block_c, K=kernel, APPLY_SILU=activation is not None,
-        ACC_DTYPE=tl_compute_dtype(x.dtype), num_warps=num_warps,
+        num_reqs, x.stride(0), channels, conv_state.stride(0), conv_state.stride(1), split_1, split_2,
+        C=channels, BLOCK_T=block_t, BLOCK_C=block_c, K=weight.shape[1], APPLY_SILU=activation is not None,
+        ACC_DTYPE=tl_compute_dtype(x.dtype), SPLIT=split is not None, num_warps=num_warps,
     )  # fmt: skip
-    return out

@@ -165,16 +165,20 @@ def gdn_chunked(
     min_chunk_len: int = MIN_CHUNK_LEN,
     is_chunked_cpu: list[bool] | None = None,
     plan_cache: dict | None = None,
+    model_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """``gdn_recurrent`` given g, beta tensors (same arguments, same effect on ``ssm_state``, o [T, HV, DV])
     with long prefill chunks (or the requests ``is_chunked_cpu`` names) through fla's chunk kernel. The ``*_cpu``
     lists are host copies of the metadata (read back with one sync when omitted). All initial states are read
     before any slot is written. ``plan_cache``: a dict that lives for one step (the layers' shared host cache),
-    where the step's ``ChunkedPlan`` is kept for the next layer.
+    where the step's ``ChunkedPlan`` is kept for the next layer. ``model_dtype``: q, k, v come widened (fp32,
+    contiguous: fla takes them so without a copy) but hold values of this dtype, which the token loop's rows are
+    given back in (bit for bit its usual inputs) and o is returned in (default v's dtype).
     """
     meta = (query_start_loc, state_src, state_dst, state_write_start)
+    model_dtype = model_dtype or v.dtype
     if ssm_state.is_cuda and torch.cuda.is_current_stream_capturing():  # host reads cannot be captured
-        return gdn_recurrent(q, k, v, g, beta, ssm_state, *meta, scale, use_qk_l2norm)
+        return gdn_recurrent(*_narrowed(model_dtype, q, k, v), g, beta, ssm_state, *meta, scale, use_qk_l2norm)
     kernel = _chunk_kernel()
     usable = kernel is not None and ssm_state.dtype == torch.float32 and q.shape[-1] <= MAX_HEAD_K_DIM
     threshold = min_chunk_len if usable else float("inf")
@@ -190,13 +194,13 @@ def gdn_chunked(
         if plan_cache is not None:
             plan_cache[key] = plan
     if not plan.split.chunked:
-        return gdn_recurrent(q, k, v, g, beta, ssm_state, *meta, scale, use_qk_l2norm)
+        return gdn_recurrent(*_narrowed(model_dtype, q, k, v), g, beta, ssm_state, *meta, scale, use_qk_l2norm)
     initial = plan.initial(ssm_state)  # reads before any write
-    out = torch.zeros(q.shape[0], v.shape[1], v.shape[2], dtype=v.dtype, device=v.device)
+    out = torch.zeros(q.shape[0], v.shape[1], v.shape[2], dtype=model_dtype, device=v.device)
     if plan.recurrent_rows is not None:
         rows = plan.recurrent_rows
-        out[rows] = gdn_recurrent(*(x[rows] for x in (q, k, v, g, beta)), ssm_state, *plan.recurrent_meta, scale,
-                                  use_qk_l2norm)  # fmt: skip
+        out[rows] = gdn_recurrent(*_narrowed(model_dtype, *(x[rows] for x in (q, k, v))), g[rows], beta[rows],
+                                  ssm_state, *plan.recurrent_meta, scale, use_qk_l2norm)  # fmt: skip
     rows = plan.chunked_rows
     cdt = ssm_state.dtype  # fla's products in fp32 (TF32) even for bf16 inputs, as gdn_recurrent's math
     o, final = kernel(
@@ -208,3 +212,8 @@ def gdn_chunked(
     if plan.kept is not None:  # final[i]: chunked request i's state after its last token, kept where the protocol says
         ssm_state[plan.kept_slots] = final[plan.kept].to(ssm_state.dtype)
     return out
+
+
+def _narrowed(dtype: torch.dtype, *xs: torch.Tensor) -> list[torch.Tensor]:
+    """``xs`` in ``dtype`` (exact: they hold values of it); unchanged where they already are."""
+    return [x if x.dtype == dtype else x.to(dtype) for x in xs]

@@ -145,17 +145,20 @@ class GatedDeltaNet(nn.Module):
         k_ops = kernels()
         meta = (ctx.query_start_loc, ctx.state_src, ctx.state_dst, ctx.state_write_start)
         mixed_qkv, z, b, a = self.in_proj.split(self.in_proj(x))
-        conv_out = k_ops.causal_conv1d(mixed_qkv, self.conv1d.weight, self.conv_state, *meta, self.hidden_act)
-        q, k, v = self._split_heads(conv_out)
-        if _use_chunked_prefill(x, ctx):
+        conv = (mixed_qkv, self.conv1d.weight, self.conv_state, *meta, self.hidden_act)
+        if _use_chunked_prefill(x, ctx):  # q, k, v contiguous in fla's fp32, holding the model-dtype values
+            q, k, v = k_ops.causal_conv1d(*conv, split=(self.key_dim, self.key_dim, self.value_dim),
+                                          out_dtype=self.ssm_state.dtype)  # fmt: skip
+            q, k, v = self._heads(q, k, v)
             g, beta = k_ops.gdn_gating(a, b, self.A_log, self.dt_bias)  # fla's kernel takes the gates as tensors
             src, dst, write_start = ctx.state_cpu
             core = k_ops.gdn_chunked.gdn_chunked(
                 q, k, v, g, beta, self.ssm_state, *meta, query_start_loc_cpu=ctx.query_start_loc_cpu,
                 state_src_cpu=src, state_dst_cpu=dst, state_write_start_cpu=write_start,
-                is_chunked_cpu=ctx.gdn_chunked_cpu, plan_cache=ctx.host_cache,
+                is_chunked_cpu=ctx.gdn_chunked_cpu, plan_cache=ctx.host_cache, model_dtype=x.dtype,
             )  # fmt: skip
         else:  # the gates are computed inside the recurrent kernel (bitwise as gdn_gating): one launch fewer
+            q, k, v = self._split_heads(k_ops.causal_conv1d(*conv))
             gates = k_ops.GateInputs(a, b, self.A_log, self.dt_bias)
             core = k_ops.gdn_recurrent(q, k, v, None, None, self.ssm_state, *meta, gate_inputs=gates)
         v_heads = (self.num_v_heads, self.head_v_dim)
@@ -164,6 +167,9 @@ class GatedDeltaNet(nn.Module):
 
     def _split_heads(self, conv_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """[T, conv_dim] -> views q, k [T, num_k_heads, head_k_dim] and v [T, num_v_heads, head_v_dim]."""
-        q, k, v = conv_out.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        return self._heads(*conv_out.split([self.key_dim, self.key_dim, self.value_dim], dim=-1))
+
+    def _heads(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """q, k [T, key_dim] and v [T, value_dim] as views [T, heads, head_dim]."""
         k_heads, v_heads = (self.num_k_heads, self.head_k_dim), (self.num_v_heads, self.head_v_dim)
         return q.unflatten(-1, k_heads), k.unflatten(-1, k_heads), v.unflatten(-1, v_heads)
