@@ -105,3 +105,22 @@ def test_an_inference_tensor_weight_sends_the_step_layer_by_layer(wrapped: str,
         norm.weight = torch.nn.Parameter(weight, requires_grad=False)
     assert norm.weight.is_inference()
     assert_layer_by_layer(llm, expected[0], monkeypatch)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_weights_packed_as_bf16_give_the_wide_bits(dtype: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The embedded model's bf16 checkpoint run in float32 / float64: its projections pack as bfloat16
+    (linear.NARROW), and a run gives the tokens and log-probabilities of a run over wide packed copies, bit for bit
+    (ngram verifies included)."""
+    from truespec.cpu_kernels import linear as cpu_linear
+
+    runs = []
+    for narrow in (True, False):
+        monkeypatch.setattr(cpu_linear, "NARROW", narrow)
+        llm = LLM(str(DEFAULT_MODEL_DIR), dtype=dtype, device="cpu", max_model_len=256, max_num_seqs=3,
+                  speculative_config=NGRAM)  # fmt: skip
+        runs.append(generate(llm, True, monkeypatch))
+        layer = llm.llm_engine.runner.model.model.layers[0]
+        stored = cpu_linear._packed(layer.mlp.down_proj.weight).stored
+        assert stored == (cpu_linear.STORED_BF16 if narrow else cpu_linear.STORED_SAME)
+    assert runs[0] == runs[1]

@@ -53,3 +53,30 @@ def test_an_inference_tensor_weight_keeps_torch_blas() -> None:
         weight, x = torch.randn(70, 32), torch.randn(3, 32)
         assert not cpu_linear.can_run(x, weight)  # no version counter: a packed copy could not follow changes
         assert_near(linear(x, weight), linear_ref(x, weight), torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_bf16_valued_weights_pack_narrow_with_the_same_bits(dtype: torch.dtype,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """A weight of bfloat16 values (a bf16 checkpoint run in float32 / float64) is packed as bfloat16, a half (float64:
+    a quarter) of the bytes, and every row of every block size keeps the bits of the wide packing, with and without
+    bias; one value that is not a bfloat16 value keeps the whole weight wide."""
+    gen = torch.Generator().manual_seed(3)
+    weight = (torch.randn(130, 40, generator=gen, dtype=dtype) * 0.2).to(torch.bfloat16).to(dtype)
+    bias = torch.randn(130, generator=gen, dtype=dtype)
+    x = torch.randn(9, 40, generator=gen, dtype=dtype)
+    outs = {}
+    for narrow in (True, False):
+        monkeypatch.setattr(cpu_linear, "NARROW", narrow)
+        packed = cpu_linear._packed(weight)
+        assert packed.stored == (cpu_linear.STORED_BF16 if narrow else cpu_linear.STORED_SAME)
+        blocks = [(0, 1), (0, 4), (0, 9)]  # alone, a block of 4, blocks + a remainder
+        outs[narrow] = [cpu_linear.linear(x[a:b], weight, bb) for a, b in blocks for bb in (None, bias)]
+        outs[narrow, "bytes"] = packed.packed.numel()
+    assert all(torch.equal(n, w) for n, w in zip(outs[True], outs[False], strict=True))
+    assert outs[True, "bytes"] - 64 == (outs[False, "bytes"] - 64) * 2 // weight.element_size()
+    with torch.no_grad():
+        weight[7, 3] += weight[7, 3] * 2**-12  # no longer a bfloat16 value
+    monkeypatch.setattr(cpu_linear, "NARROW", True)
+    assert cpu_linear._packed(weight).stored == cpu_linear.STORED_SAME
+    assert_near(cpu_linear.linear(x, weight), linear_ref(x, weight), dtype)

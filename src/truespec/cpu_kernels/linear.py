@@ -8,6 +8,10 @@ sums each output in k order whatever the rows beside it (measured in BENCHMARKS.
 ([panels][K][4 x vector], ``pack_*``) is made on first use and again whenever the weight changes in place (its
 version counter); weights of more than ``MAX_PACKED_ELEMENTS`` keep the BLAS path, so a large model on the CPU does
 not hold a second copy of its big matrices (a weight takes one path for the whole run: its rows stay invariant).
+
+A weight whose every value is a bfloat16 value (a bf16 checkpoint run in float32 or float64, the usual case) is packed
+as bfloat16: the kernel widens each one exactly, so every output keeps its bits and a step reads half (float64: a
+quarter) of the bytes; on one core a decode step is bound by how fast it streams the weights from cache.
 """
 
 from collections.abc import Callable
@@ -18,6 +22,8 @@ import torch
 from truespec.cpu_kernels import build
 
 MAX_PACKED_ELEMENTS = 1 << 24  # 64 MiB of fp32: every weight of the embedded models, a 0.8B model's but its lm_head
+STORED_SAME, STORED_BF16 = 0, 1  # linear_core.c's storage kinds
+NARROW = True  # pack bfloat16-valued weights as bfloat16 (False: always the rows' type; the same bits either way)
 
 
 def can_run(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -30,8 +36,9 @@ def can_run(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 class _Packed(NamedTuple):
-    key: tuple[int, int]  # the weight's (data_ptr, version) when packed
-    packed: torch.Tensor
+    key: tuple[int, int, bool]  # the weight's (data_ptr, version) when packed, and NARROW
+    packed: torch.Tensor  # bytes: linear_core.c's header, then the panels
+    stored: int  # STORED_SAME / STORED_BF16
     address: int  # packed.data_ptr()
     num_out: int
     num_in: int
@@ -40,20 +47,26 @@ class _Packed(NamedTuple):
 
 def _packed(weight: torch.Tensor) -> _Packed:
     """The weight's packed copy, kept on the weight (rebuilt after an in-place change: its version moves)."""
-    key = (weight.data_ptr(), weight._version)
+    key = (weight.data_ptr(), weight._version, NARROW)
     cached = getattr(weight, "_truespec_packed", None)
     if cached is not None and cached.key == key:
         return cached
     suffix, _ = build.SCALARS[weight.dtype]
     num_out, num_in = weight.shape
-    per_panel = 4 * (64 // weight.element_size())  # outputs per panel: 4 vectors of 64 bytes
-    packed = torch.empty(-(-num_out // per_panel) * num_in * per_panel, dtype=weight.dtype)
     source = weight.detach().contiguous()
+    stored = STORED_BF16 if NARROW and is_bf16_valued(source) else STORED_SAME
     p, i = build.POINTER, build.INT
-    build.function(f"pack_{suffix}", [p, i, i, p])(source.data_ptr(), num_out, num_in, packed.data_ptr())
+    num_bytes = build.function(f"packed_bytes_{suffix}", [i, i, i], i)(num_out, num_in, stored)
+    packed = torch.empty(num_bytes, dtype=torch.uint8)
+    build.function(f"pack_{suffix}", [p, i, i, i, p])(source.data_ptr(), num_out, num_in, stored, packed.data_ptr())
     run = build.function(f"linear_{suffix}", [p, i, p, p, i, i, i, p, i])
-    weight._truespec_packed = _Packed(key, packed, packed.data_ptr(), num_out, num_in, run)
+    weight._truespec_packed = _Packed(key, packed, stored, packed.data_ptr(), num_out, num_in, run)
     return weight._truespec_packed
+
+
+def is_bf16_valued(weight: torch.Tensor) -> bool:
+    """Whether every value of ``weight`` is a bfloat16 value (so its bfloat16 copy widens back to it exactly)."""
+    return torch.equal(weight.to(torch.bfloat16).to(weight.dtype), weight)
 
 
 def packed_copy(weight: torch.Tensor) -> torch.Tensor:

@@ -8,7 +8,7 @@
 #define DECLARE_STAGES(T, SUFFIX)                                                                                    \
     int rms_norm_##SUFFIX(const T *x, int64_t ld_x, const T *residual, int64_t ld_res, const T *w, int64_t M,      \
                           int64_t D, T eps, int unit_offset, T *out, int64_t ld_out, T *sum_out, int64_t ld_sum);   \
-    int linear_##SUFFIX(const T *x, int64_t ld_x, const T *packed, const T *bias, int64_t M, int64_t N, int64_t K,  \
+    int linear_##SUFFIX(const T *x, int64_t ld_x, const void *packed, const T *bias, int64_t M, int64_t N, int64_t K, \
                         T *y, int64_t ld_y);                                                                         \
     int gdn_core_##SUFFIX(const T *x, int64_t ld_x, const T *z, int64_t ld_z, const T *a, const T *b, int64_t ld_ab, \
                           const T *conv_w, const T *A_log, const T *dt_bias, const T *norm_w, T *conv_state,         \
