@@ -14,7 +14,8 @@ key 0 and step by BLOCK_N, and a tile past a row's position (reached because a l
 is an exact no-op for that row (its scores are -inf: m and l unchanged, alpha = exp(0) = 1, P = 0 adds 0). So a
 prompt position gives the same bits however the prompt is cut into chunks and whichever rows share its program.
 It need not match the split-KV kernel's bits: decode and verify rows never come here (docs/ARCHITECTURE.md,
-invariant 4 is about them).
+invariant 4 is about them). Tiles that end at or before the program's first row's position + 1 are seen whole by
+all its rows, so they skip the causal mask (for those rows it changes nothing: the same bits); the rest keep it.
 
 Which rows: request r's first ``num_rows[r]`` query rows (``prefill_attention``'s ``num_rows``; all its rows when
 None). In the engine those are its prompt rows, positions < its prompt length, and the split-KV kernel computes the
@@ -133,23 +134,53 @@ def _prefill_attention_kernel(
     acc = tl.full([BLOCK_M * GROUP_PAD, HEAD_DIM_PAD], 0, ACC_DTYPE)
     cache_head_ptr = kv_cache_ptr + kv_head * stride_cache_head
     num_keys = num_cached + tl.minimum(first + BLOCK_M, q_end) - q_start  # the last row's position + 1
-    for tile_start in range(0, num_keys, BLOCK_N):
-        n = tile_start + tl.arange(0, BLOCK_N)
-        n_mask = n < num_keys
-        slot_off, kv_mask = tile_slots(block_tables_ptr, r, stride_bt_req, n, n_mask, d, stride_cache_block,
-                                       stride_cache_slot, BLOCK_SIZE, HEAD_DIM)  # fmt: skip
-        s = tile_scores(q, q_lo, q_rows, is_row, cache_head_ptr, slot_off, d, n_mask, kv_mask, centroids_ptr,
-                        KEY_ENC, KEY_BITS, KEY_CODE_BYTES, KEY_DIM_CHUNK, KEY_DIM_UNROLL, HEAD_DIM, FP16_ALIGNED,
-                        ACC_DTYPE, DOT_DTYPE, UPCAST)  # fmt: skip
-        s = tl.where(n[None, :] <= position[:, None], s * scale_acc, float("-inf"))  # causal (and n < num_keys)
-        m_new, alpha, p, l = online_softmax_step(m, l, s)  # m_new finite: tile 0 holds key 0, which every row sees
-        acc = acc * alpha[:, None] + tile_pv(p, cache_head_ptr + value_offset, slot_off, d, n_mask, kv_mask,
-                                             VALUE_ENC, VALUE_BITS, VALUE_CODE_BYTES, HEAD_DIM, FP16_ALIGNED,
-                                             ACC_DTYPE, DOT_DTYPE, UPCAST)  # fmt: skip
-        m = m_new
+    # Tiles below the first row's position + 1 are seen whole by every row: no causal mask there (the same bits).
+    num_full = (num_cached + first - q_start + 1) // BLOCK_N * BLOCK_N
+    for tile_start in range(0, num_full, BLOCK_N):
+        m, l, acc = _attend_tile(m, l, acc, tile_start, num_keys, position, q, q_lo, q_rows, is_row, d, r,
+                                 block_tables_ptr, stride_bt_req, stride_cache_block, stride_cache_slot,
+                                 cache_head_ptr, value_offset, centroids_ptr, scale_acc, False, BLOCK_N, BLOCK_SIZE,
+                                 HEAD_DIM, KEY_ENC, KEY_BITS, KEY_CODE_BYTES, KEY_DIM_CHUNK, KEY_DIM_UNROLL,
+                                 VALUE_ENC, VALUE_BITS, VALUE_CODE_BYTES, FP16_ALIGNED, ACC_DTYPE, DOT_DTYPE,
+                                 UPCAST)  # fmt: skip
+    for tile_start in range(num_full, num_keys, BLOCK_N):
+        m, l, acc = _attend_tile(m, l, acc, tile_start, num_keys, position, q, q_lo, q_rows, is_row, d, r,
+                                 block_tables_ptr, stride_bt_req, stride_cache_block, stride_cache_slot,
+                                 cache_head_ptr, value_offset, centroids_ptr, scale_acc, True, BLOCK_N, BLOCK_SIZE,
+                                 HEAD_DIM, KEY_ENC, KEY_BITS, KEY_CODE_BYTES, KEY_DIM_CHUNK, KEY_DIM_UNROLL,
+                                 VALUE_ENC, VALUE_BITS, VALUE_CODE_BYTES, FP16_ALIGNED, ACC_DTYPE, DOT_DTYPE,
+                                 UPCAST)  # fmt: skip
     out = acc / tl.where(l > 0, l, 1.0)[:, None]
     o_ptrs = out_ptr + token[:, None] * stride_o_tok + head[:, None] * stride_o_head + d[None, :]
     tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=q_mask)
+
+
+@triton.jit
+def _attend_tile(m, l, acc, tile_start, num_keys, position, q, q_lo, q_rows, is_row, d, r, block_tables_ptr,
+                 stride_bt_req, stride_cache_block, stride_cache_slot, cache_head_ptr, value_offset, centroids_ptr,
+                 scale_acc, MASKED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                 HEAD_DIM: tl.constexpr, KEY_ENC: tl.constexpr, KEY_BITS: tl.constexpr, KEY_CODE_BYTES: tl.constexpr,
+                 KEY_DIM_CHUNK: tl.constexpr, KEY_DIM_UNROLL: tl.constexpr, VALUE_ENC: tl.constexpr,
+                 VALUE_BITS: tl.constexpr, VALUE_CODE_BYTES: tl.constexpr, FP16_ALIGNED: tl.constexpr,
+                 ACC_DTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr, UPCAST: tl.constexpr):  # fmt: skip
+    """The online softmax over keys [tile_start, tile_start + BLOCK_N): (m, l, acc) after it. MASKED: the causal
+    mask (a row sees keys up to its position); without it every row sees the whole tile (the caller's full tiles)."""
+    n = tile_start + tl.arange(0, BLOCK_N)
+    n_mask = n < num_keys
+    slot_off, kv_mask = tile_slots(block_tables_ptr, r, stride_bt_req, n, n_mask, d, stride_cache_block,
+                                   stride_cache_slot, BLOCK_SIZE, HEAD_DIM)  # fmt: skip
+    s = tile_scores(q, q_lo, q_rows, is_row, cache_head_ptr, slot_off, d, n_mask, kv_mask, centroids_ptr,
+                    KEY_ENC, KEY_BITS, KEY_CODE_BYTES, KEY_DIM_CHUNK, KEY_DIM_UNROLL, HEAD_DIM, FP16_ALIGNED,
+                    ACC_DTYPE, DOT_DTYPE, UPCAST)  # fmt: skip
+    if MASKED:  # noqa: SIM108 - a compile-time branch, as measured (BENCHMARKS.md, session 24)
+        s = tl.where(n[None, :] <= position[:, None], s * scale_acc, float("-inf"))  # causal (and n < num_keys)
+    else:
+        s = s * scale_acc
+    m_new, alpha, p, l = online_softmax_step(m, l, s)  # m_new finite: tile 0 holds key 0, which every row sees
+    acc = acc * alpha[:, None] + tile_pv(p, cache_head_ptr + value_offset, slot_off, d, n_mask, kv_mask, VALUE_ENC,
+                                         VALUE_BITS, VALUE_CODE_BYTES, HEAD_DIM, FP16_ALIGNED, ACC_DTYPE, DOT_DTYPE,
+                                         UPCAST)  # fmt: skip
+    return m_new, l, acc
 
 
 def prefill_attention(
