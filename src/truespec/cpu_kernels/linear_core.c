@@ -2,11 +2,12 @@
  *
  * Packed layout: a 64-byte header (int64 storage kind), then [panels][K][4 L]: panel p holds outputs p 4L .. p 4L +
  * 4L - 1 (zeros past N), so a panel's weights are read as one contiguous stream, 4 vectors of L lanes per k. Each
- * output is a sum over k in order, 0 + x_0 w_0 + x_1 w_1 + ..., one vector lane per output: the same arithmetic
+ * output is a sum over k in order, a = fma(x_k, w_k, a) from a = 0, one vector lane per output: the same arithmetic
  * whether its row is computed in a block of 4 rows or alone, so a row's bits never depend on the rows beside it
  * (invariant 4), with no horizontal reduction. Blocks of 4 rows share each loaded weight vector; a single row streams
- * the weights once at memory speed. Compiled with -ffp-contract=off (see gdn_core.c); the GCC / Clang vector
- * extension lowers to whatever SIMD the machine has.
+ * the weights once at memory speed. The multiply-adds are explicit fused ones (mac_*: one rounding each, on every
+ * machine); nothing else is contracted (-ffp-contract=off, see gdn_core.c). The GCC / Clang vector extension lowers
+ * the rest to whatever SIMD the machine has.
  *
  * Storage: the weights in the rows' type (STORED_SAME), or as bfloat16 (STORED_BF16) when every weight is a bfloat16
  * value (a bf16 checkpoint run in float32 / float64): widening a bfloat16 to float is exact (its 16 bits become the
@@ -28,6 +29,27 @@ typedef uint16_t vu16x8 __attribute__((vector_size(16)));
 typedef uint32_t vu32x16 __attribute__((vector_size(64)));
 typedef uint32_t vu32x8 __attribute__((vector_size(32)));
 
+/* a + x w per lane with one rounding (a fused multiply-add): the AVX-512 instruction where the target has it, C's
+ * fma (exact by definition, in hardware or software) elsewhere, so the same bits on every machine. */
+#if defined(__AVX512F__)
+#include <immintrin.h>
+static inline vf32 mac_f32(vf32 a, float x, vf32 w) {
+    return (vf32)_mm512_fmadd_ps(_mm512_set1_ps(x), (__m512)w, (__m512)a);
+}
+static inline vf64 mac_f64(vf64 a, double x, vf64 w) {
+    return (vf64)_mm512_fmadd_pd(_mm512_set1_pd(x), (__m512d)w, (__m512d)a);
+}
+#else
+#include <math.h>
+static inline vf32 mac_f32(vf32 a, float x, vf32 w) {
+    for (int i = 0; i < 16; i++) a[i] = fmaf(x, w[i], a[i]);
+    return a;
+}
+static inline vf64 mac_f64(vf64 a, double x, vf64 w) {
+    for (int i = 0; i < 8; i++) a[i] = fma(x, w[i], a[i]);
+    return a;
+}
+#endif
 static inline vf32 load_same_f32(const float *p) { vf32 v; memcpy(&v, p, sizeof v); return v; }
 static inline vf64 load_same_f64(const double *p) { vf64 v; memcpy(&v, p, sizeof v); return v; }
 static inline vf32 load_bf16_f32(const uint16_t *p) { /* 16 bf16 -> 16 floats, exact */
@@ -76,8 +98,8 @@ static inline uint16_t bf16_bits(float x) { uint32_t u; memcpy(&u, &x, sizeof u)
                     const V w2 = LOAD(pk + k * NR + 2 * L), w3 = LOAD(pk + k * NR + 3 * L);                       \
                     for (int r = 0; r < 4; r++) {                                                                 \
                         const T xv = x[(m + r) * ld_x + k];                                                       \
-                        a[r][0] = a[r][0] + xv * w0; a[r][1] = a[r][1] + xv * w1;                                 \
-                        a[r][2] = a[r][2] + xv * w2; a[r][3] = a[r][3] + xv * w3;                                 \
+                        a[r][0] = mac_##SUFFIX(a[r][0], xv, w0); a[r][1] = mac_##SUFFIX(a[r][1], xv, w1);         \
+                        a[r][2] = mac_##SUFFIX(a[r][2], xv, w2); a[r][3] = mac_##SUFFIX(a[r][3], xv, w3);         \
                     }                                                                                             \
                 }                                                                                                 \
                 for (int r = 0; r < 4; r++) store_panel_##SUFFIX(y + (m + r) * ld_y + p * NR, bp, a[r], N - p * NR); \
@@ -86,8 +108,10 @@ static inline uint16_t bf16_bits(float x) { uint32_t u; memcpy(&u, &x, sizeof u)
                 V a[4] = {{0}};                                                                                   \
                 for (int64_t k = 0; k < K; k++) {                                                                 \
                     const T xv = x[m * ld_x + k];                                                                 \
-                    a[0] = a[0] + xv * LOAD(pk + k * NR); a[1] = a[1] + xv * LOAD(pk + k * NR + L);               \
-                    a[2] = a[2] + xv * LOAD(pk + k * NR + 2 * L); a[3] = a[3] + xv * LOAD(pk + k * NR + 3 * L);   \
+                    a[0] = mac_##SUFFIX(a[0], xv, LOAD(pk + k * NR));                                             \
+                    a[1] = mac_##SUFFIX(a[1], xv, LOAD(pk + k * NR + L));                                         \
+                    a[2] = mac_##SUFFIX(a[2], xv, LOAD(pk + k * NR + 2 * L));                                     \
+                    a[3] = mac_##SUFFIX(a[3], xv, LOAD(pk + k * NR + 3 * L));                                     \
                 }                                                                                                 \
                 store_panel_##SUFFIX(y + m * ld_y + p * NR, bp, a, N - p * NR);                                   \
             }                                                                                                     \

@@ -16,12 +16,13 @@ Eager only: the split is decided on the host from host copies of the metadata an
 on it, so the caller uses ``gdn_recurrent`` in captured CUDA graphs (called during a capture, this function
 does exactly that).
 
-Numerics: fla computes in fp32 with TF32 tensor-core products (bf16 inputs are upcast first: 4x closer states
-than feeding fla bf16, ~5% slower), in a different order than the token loop. Chunked requests match
-``gdn_recurrent_ref`` to ~1.5e-3 (fp32 inputs) / ~2.8e-3 (bf16 inputs) relative error in outputs and ~8e-4 in
-final states (Frobenius, worst request; H200, Qwen3.5 shapes, chunks up to 700 tokens); requests left to
-``gdn_recurrent`` are bit-identical to a plain ``gdn_recurrent`` call. fla keeps its state in fp32 only, so
-float64 states (float64 models, the exactness tests) always take the token loop.
+Numerics: fla computes in fp32 with TF32 tensor-core products (bf16 inputs reach it widened to fp32: 4x closer
+states than feeding fla bf16, ~5% slower; the layer's conv writes them so, contiguous: ``model_dtype`` below), in a
+different order than the token loop. Chunked requests match ``gdn_recurrent_ref`` to ~1.5e-3 (fp32 inputs) /
+~2.8e-3 (bf16 inputs) relative error in outputs and ~8e-4 in final states (Frobenius, worst request; H200, Qwen3.5
+shapes, chunks up to 700 tokens); requests left to ``gdn_recurrent`` are bit-identical to a plain ``gdn_recurrent``
+call. fla keeps its state in fp32 only, so float64 states (float64 models, the exactness tests) always take the token
+loop.
 
 Speed (benchmarks/gdn_prefill.py, H200, bf16): one call costs ~1.4 ms whatever its size, then ~0.13 us per
 token; the token loop costs ~1.7 us per token of the longest request (until the GPU is full: 128x512 tokens
