@@ -8,7 +8,8 @@ after) are timed by the same script in the same run, with transformers between t
 truespec``, ``LLM()`` on the embedded model (float32, CPU) after the import, and the first ``generate``; the wall
 time of ``python -m truespec demo``; and output tok/s of greedy decoding of ``--output-len`` tokens from random
 ``--input-len``-token prompts at each batch size (wall time of one ``generate``, prefill included; the best of
-``--repeats`` after a warm-up: this machine is shared, the best run is the one least disturbed). transformers runs
+``--repeats`` after a warm-up, each run with prompts of its own, so no run is served from a prefix cache: this machine
+is shared, the best run is the one least disturbed). transformers runs
 the same prompts through ``model.generate`` (a static batch of equal-length prompts, its dynamic cache).
 """
 
@@ -100,10 +101,10 @@ def child_decode(args: argparse.Namespace, engine: str) -> dict:
         torch.set_num_threads(args.threads)  # after LLM(): the engine's own setting is overridden
     result = {"threads": torch.get_num_threads()}
     for bs in args.batch_sizes:
-        prompts = random_prompts(bs, args.input_len)
-        generate(prompts, args.output_len)  # warm-up
+        generate(random_prompts(bs, args.input_len, seed=10_000), args.output_len)  # warm-up
         times = []
-        for _ in range(args.repeats):
+        for i in range(args.repeats):  # fresh prompts each run: no engine may serve them from a prefix cache
+            prompts = random_prompts(bs, args.input_len, seed=i)
             start = time.perf_counter()
             generate(prompts, args.output_len)
             times.append(time.perf_counter() - start)
