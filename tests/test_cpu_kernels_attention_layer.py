@@ -1,9 +1,9 @@
 """A whole Qwen3.5 gated-attention decoder layer in one compiled call (cpu_kernels/attention_layer.py,
 attention_layer.c) against the same layer stage by stage: output, residual stream and the KV cache **bitwise** on
-ragged steps of short queries (decodes, 1+k verifies, short chunks over cached keys starting mid-block, padding rows),
-with and without an incoming residual, float32 and float64 (each stage is the same C function on both paths); a step
-with a longer chunk takes the stages, its short rows bitwise the whole call's; a request bitwise the same alone and in
-the batch (invariant 4); the kept call follows changed weights and a rebound cache; bad shapes named."""
+ragged steps (decodes, 1+k verifies, chunks over cached keys starting mid-block, a longer prompt chunk, padding rows),
+with and without an incoming residual, float32 and float64 (each stage is the same C function on both paths); short
+rows bitwise the same beside a long chunk; a request bitwise the same alone and in the batch (invariant 4); the kept
+call follows changed weights and a rebound cache; bad shapes named; the model's layers take it at every step."""
 
 from types import SimpleNamespace
 from unittest import mock
@@ -21,7 +21,7 @@ pytestmark = pytest.mark.skipif(build.load() is None, reason="no C compiler: the
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, ROT, BLOCK_SIZE, NUM_BLOCKS = 24, 4, 2, 8, 4, 4, 40
 # (num_cached, query_len): decodes, a 1+3 verify, a 16-token chunk after a cached prefix (mid-block), a fresh prompt
 SHORT = [(9, 1), (0, 1), (6, 4), (13, 16), (0, 5)]
-LONG = (3, 17)  # longer than MAX_BATCHED_QUERY_LEN: the step takes the stages
+LONG = (3, 17)  # a prompt chunk longer than the torch path batches (ops/attention_rows.MAX_BATCHED_QUERY_LEN)
 
 
 def decoder_layer(dtype: torch.dtype, seed: int = 5) -> Qwen3_5DecoderLayer:
@@ -61,18 +61,18 @@ def run(layer: Qwen3_5DecoderLayer, step: tuple, whole: bool, monkeypatch: pytes
     monkeypatch.setattr(cpu_attention_layer.AttentionLayerCall, "__call__", lambda *a, f=call: calls.append(1) or f(*a))
     with set_forward_context(make_context(batch, h.shape[0])):
         out, res = layer(h, residual, cos, sin)
-    ran_whole = whole and max(n for n in (batch["query_start_loc"].diff().tolist())) <= 16
-    assert len(calls) == int(ran_whole)
+    assert len(calls) == int(whole)
     result, attn.kv_cache = (out, res, attn.kv_cache), cache
     return result
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("has_residual", [True, False], ids=["residual", "first_layer"])
-def test_whole_layer_gives_the_stage_by_stage_bits(dtype: torch.dtype, has_residual: bool,
+@pytest.mark.parametrize("reqs", [SHORT, [*SHORT, LONG]], ids=["short", "with_long_chunk"])
+def test_whole_layer_gives_the_stage_by_stage_bits(dtype: torch.dtype, has_residual: bool, reqs: list,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
     layer = decoder_layer(dtype)
-    step = inputs(SHORT, dtype, seed=1, residual=has_residual)
+    step = inputs(reqs, dtype, seed=1, residual=has_residual)
     got = run(layer, step, True, monkeypatch)
     expected = run(layer, step, False, monkeypatch)
     for a, b in zip(got, expected, strict=True):
@@ -81,9 +81,9 @@ def test_whole_layer_gives_the_stage_by_stage_bits(dtype: torch.dtype, has_resid
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_a_step_with_a_long_chunk_keeps_the_short_rows_bits(dtype: torch.dtype,
-                                                             monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
-    # the long chunk sends the step through the stages; every other request's rows must not notice
+def test_short_rows_keep_their_bits_beside_a_long_chunk(dtype: torch.dtype,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    # a long prompt chunk in the step: every other request's rows must not notice
     layer = decoder_layer(dtype, seed=7)
     batch, h, residual, cos, sin = inputs([*SHORT, LONG], dtype, seed=2)
     mixed = run(layer, (batch, h, residual, cos, sin), True, monkeypatch)
@@ -170,8 +170,8 @@ def test_kept_call_follows_changed_weights_and_cache(change: str) -> None:
 
 @pytest.mark.parametrize("stack", [True, False], ids=["stack", "per_layer"])
 def test_the_models_attention_layers_take_it_at_every_step(stack: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    # the CPU engine's prompt chunks are short too (max_num_batched_tokens), so every step of a run takes the call:
-    # inside the model's one call for all its layers (cpu_kernels/decoder_stack.py), or one call per layer without it
+    # every step of a run takes the call, a 90-token prompt's chunks too: inside the model's one call for all its
+    # layers (cpu_kernels/decoder_stack.py), or one call per layer without it
     from truespec import LLM, SamplingParams
     from truespec.assets import DEFAULT_MODEL_DIR
     from truespec.cpu_kernels import decoder_stack as cpu_decoder_stack
@@ -182,7 +182,7 @@ def test_the_models_attention_layers_take_it_at_every_step(stack: bool, monkeypa
         call = cls.__call__
         monkeypatch.setattr(cls, "__call__", lambda *a, f=call, c=cls: calls.append(c) or f(*a))
     llm = LLM(str(DEFAULT_MODEL_DIR), dtype="float32", device="cpu", max_model_len=256)
-    llm.generate({"prompt_token_ids": list(range(10, 40))},
+    llm.generate({"prompt_token_ids": list(range(10, 100))},
                  SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True), use_tqdm=False)  # fmt: skip
     attention_layers = sum(1 for t in llm.llm_engine.hf_config.layer_types if t == "full_attention")
     num_steps = llm.get_metrics()["num_steps"]

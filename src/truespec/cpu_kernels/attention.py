@@ -1,12 +1,13 @@
-"""The attention of a step's short queries (decodes, verifies, chunks of up to ``MAX_BATCHED_QUERY_LEN`` tokens) over
-a model-dtype paged cache in one compiled call: the CPU path of layers/attention.py where build.py could build
-attention_core.c. Longer prefill chunks keep ops/attention_batched.py's tiled products (BLAS is faster there, and no
-decode or verify row is among them)."""
+"""The attention of every row of a step (decodes, verifies, prefill chunks of any length) over a model-dtype paged
+cache in one compiled call: the CPU path of layers/attention.py where build.py could build attention_core.c. Each row
+is computed by itself in a fixed order, so a prompt position has the same bits however its prompt is chunked and a
+verify row those of the same decode row. (ops/attention_batched.py's tiled products, the path without the library,
+ran long chunks as products of two rows each for the same reason: the C rows prefill ~1.8x faster; BENCHMARKS.md,
+session 24.)"""
 
 import torch
 
 from truespec.cpu_kernels import build
-from truespec.ops.attention_rows import MAX_BATCHED_QUERY_LEN
 
 
 def can_run(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
@@ -18,8 +19,8 @@ def can_run(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
 
 def attention_rows(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                    block_tables: torch.Tensor, scale: float, out: torch.Tensor) -> torch.Tensor:  # fmt: skip
-    """Writes into ``out`` [T, H, D] the rows of every request with 1 .. MAX_BATCHED_QUERY_LEN query tokens
-    (``paged_attention_ref``'s values for them); other rows are left as they are. Check ``can_run`` first."""
+    """Writes into ``out`` [T, H, D] the rows of every request (``paged_attention_ref``'s values for them); padding
+    rows past ``query_start_loc[-1]`` are left as they are. Check ``can_run`` first."""
     num_heads, head_dim = q.shape[1:]
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
     if num_heads % num_kv_heads or kv_cache.shape[-1] != head_dim or q.stride(-1) != 1 or out.stride(-1) != 1:
@@ -30,7 +31,7 @@ def attention_rows(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: tor
     argtypes = [p, i, i, p, p, p, i, p, p, i, i, i, i, i, i, scalar, p, i, i]
     status = build.function(f"attention_rows_{suffix}", argtypes)(
         q.data_ptr(), q.stride(0), q.stride(1), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(), meta[0].data_ptr(),
-        meta[0].stride(0), meta[1].data_ptr(), meta[2].data_ptr(), meta[2].shape[0], MAX_BATCHED_QUERY_LEN,
+        meta[0].stride(0), meta[1].data_ptr(), meta[2].data_ptr(), meta[2].shape[0], q.shape[0],
         num_heads, num_kv_heads, head_dim, block_size, scale, out.data_ptr(), out.stride(0), out.stride(1),
     )  # fmt: skip
     if status:

@@ -1,4 +1,4 @@
-/* Causal attention of a step's short queries (decodes, verifies, short chunks) over the paged KV cache on the CPU
+/* Causal attention of a step's rows (decodes, verifies, prefill chunks) over the paged KV cache on the CPU
  * (build.py builds it, attention.py calls it; ops/attention.py's paged_attention_ref is the formula).
  *
  * Query row (request r, offset j, head h) sits at position p = seq_lens[r] - query_len + j and sees keys 0 .. p of

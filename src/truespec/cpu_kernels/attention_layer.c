@@ -1,4 +1,4 @@
-/* A whole Qwen3.5 gated-attention decoder layer for a step of short queries on the CPU in one call (build.py builds
+/* A whole Qwen3.5 gated-attention decoder layer for a step on the CPU in one call (build.py builds
  * it, attention_layer.py calls it; models/qwen3_5.py's Qwen3_5DecoderLayer is the layer): add + RMSNorm, the qkv
  * projection, q / k norm + RoPE, the KV store, the attention of every request's 1 .. max_query_len rows, the sigmoid
  * output gate, o_proj, then the post-attention norm and MLP (mlp_block.c). Each stage is the function that computes

@@ -1,11 +1,10 @@
-"""A whole Qwen3.5 gated-attention decoder layer for a step of short queries in one compiled call
+"""A whole Qwen3.5 gated-attention decoder layer for a step in one compiled call
 (attention_layer.c): the CPU path of models/qwen3_5.Qwen3_5DecoderLayer where every stage has its kernel (norm.py,
 linear.py, rotary.py, attention.py, activation.py and mlp_block.py would each take it).
 
 The layer was ~12 calls with their argument checks, views and allocations (about 170 us of a ~2 ms decode step of the
-embedded model per attention layer: BENCHMARKS.md, session 23). A step whose longest query exceeds
-``MAX_BATCHED_QUERY_LEN`` tokens (a prompt chunk) takes the stage-by-stage path, whose long rows go through BLAS; the
-other rows of such a step get the same bits there, since each stage is the same C function on the same rows.
+embedded model per attention layer: BENCHMARKS.md, session 23). Each stage is the C function that runs it alone, so
+a row gets the same bits on either path.
 """
 
 import ctypes
@@ -16,7 +15,6 @@ import torch
 from truespec.cpu_kernels import build
 from truespec.cpu_kernels import linear as cpu_linear
 from truespec.cpu_kernels.rotary import MAX_HEAD_DIM
-from truespec.ops.attention_rows import MAX_BATCHED_QUERY_LEN
 
 ENABLED = True  # tests compare against the stage-by-stage path by turning it off
 
@@ -88,8 +86,7 @@ class AttentionLayerCall:
     def __call__(self, h: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
                  meta: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         """(MLP output, residual stream after the attention) for h [M, D] of the layer's dtype (checked by the caller);
-        ``meta`` = (block_tables, query_start_loc, seq_lens, slot_mapping) of a step whose queries are all at most
-        ``MAX_BATCHED_QUERY_LEN`` tokens."""
+        ``meta`` = (block_tables, query_start_loc, seq_lens, slot_mapping) of the step."""
         h = h.contiguous()
         residual = None if residual is None else residual.contiguous()
         cos, sin = rope_tables(cos, sin, h.shape[0])
@@ -99,7 +96,7 @@ class AttentionLayerCall:
         status = self.fn(self.bound.address, h.data_ptr(), None if residual is None else residual.data_ptr(),
                          h.shape[0], cos.data_ptr(), sin.data_ptr(), cos.shape[-1], tables.data_ptr(),
                          tables.stride(0), qsl.data_ptr(), seq_lens.data_ptr(), seq_lens.shape[0], slots.data_ptr(),
-                         slots.shape[0], MAX_BATCHED_QUERY_LEN, work.data_ptr(), out.data_ptr(),
+                         slots.shape[0], h.shape[0], work.data_ptr(), out.data_ptr(),
                          residual_out.data_ptr())  # fmt: skip
         if status:
             raise MemoryError("attention_layer: the CPU kernel could not allocate its score buffer")

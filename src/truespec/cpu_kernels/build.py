@@ -4,7 +4,7 @@ C compiler on first use, loaded with ctypes.
 In torch, one layer of a decode step is a hundred or more small ops, each a few microseconds of dispatch for a few
 hundred numbers of work: on a small model that dispatch, not arithmetic, is the CPU step. Each C kernel here computes
 what a run of those ops computes, in one call: gdn_core.c (a GDN layer's core), attention_core.c (the attention of a
-step's short queries), norm_core.c (RMSNorm), rotary_core.c (q / k norms and RoPE), linear_core.c (projections),
+step's rows), norm_core.c (RMSNorm), rotary_core.c (q / k norms and RoPE), linear_core.c (projections),
 activation_core.c (the attention's output gate); gdn_layer.c, attention_layer.c and mlp_block.c chain them into a layer
 or half a layer, decoder_stack.c every layer of a step.
 

@@ -1,4 +1,4 @@
-/* A step of short queries through every decoder layer of a model on the CPU in one call (build.py builds it,
+/* A step through every decoder layer of a model on the CPU in one call (build.py builds it,
  * decoder_stack.py calls it; models/qwen3_5_cpu.py decides when): for each layer its bound call (gdn_layer.c,
  * attention_layer.c) on the rows the previous layer produced, the residual stream updated in place (each layer
  * reads a row's stream before it writes it), then the model's final add + RMSNorm (norm_core.c). The same functions as one call per layer, in the same order, so the

@@ -10,7 +10,7 @@ import ctypes
 import torch
 
 from truespec.cpu_kernels import build
-from truespec.cpu_kernels.attention_layer import MAX_BATCHED_QUERY_LEN, AttentionLayerCall, rope_tables
+from truespec.cpu_kernels.attention_layer import AttentionLayerCall, rope_tables
 from truespec.cpu_kernels.gdn_layer import GdnLayerCall
 
 ENABLED = True  # tests compare against one call per layer by turning it off
@@ -39,7 +39,7 @@ class DecoderStackCall:
                  attention_meta: tuple[torch.Tensor, ...]) -> torch.Tensor:  # fmt: skip
         """The model's hidden states [M, D] (after its final norm) for h [M, D], as ``base.run_decoder_layers`` gives
         them. ``gdn_meta`` = (query_start_loc, state_src, state_dst, state_write_start), ``attention_meta`` =
-        (block_tables, seq_lens, slot_mapping) of a step whose queries are at most ``MAX_BATCHED_QUERY_LEN``."""
+        (block_tables, seq_lens, slot_mapping) of the step."""
         num_rows = h.shape[0]
         buffers = torch.empty(4, num_rows, self.dim, dtype=self.dtype)  # layer inputs (two), the stream, the result
         buffers[0] = h
@@ -51,7 +51,7 @@ class DecoderStackCall:
                          buffers[1].data_ptr(), buffers[2].data_ptr(), num_rows, self.dim, qsl.data_ptr(),
                          qsl.shape[0] - 1, src.data_ptr(), dst.data_ptr(), wstart.data_ptr(), cos.data_ptr(),
                          sin.data_ptr(), cos.shape[-1], tables.data_ptr(), tables.stride(0), seq_lens.data_ptr(),
-                         slots.data_ptr(), slots.shape[0], MAX_BATCHED_QUERY_LEN, *self.norm_args, work.data_ptr(),
+                         slots.data_ptr(), slots.shape[0], num_rows, *self.norm_args, work.data_ptr(),
                          buffers[3].data_ptr())  # fmt: skip
         if status:
             raise MemoryError("decoder_stack: a layer's CPU kernel could not allocate its scratch")

@@ -23,8 +23,8 @@ from truespec.ops.attention import (
     reshape_and_cache_ref,
     store_packed_ref,
 )
-from truespec.ops.attention_batched import attend_long_chunks, paged_attention_batched
-from truespec.ops.attention_rows import MAX_BATCHED_QUERY_LEN, StepAttentionRows
+from truespec.ops.attention_batched import paged_attention_batched
+from truespec.ops.attention_rows import StepAttentionRows
 
 
 class PagedAttention(nn.Module):
@@ -92,11 +92,8 @@ class PagedAttention(nn.Module):
         if self.sparse_v is not None:
             return paged_attention_ref(q, self.kv_cache, *meta, self.scale, decode=decode, sparse_v=self.sparse_v)
         ctx = get_forward_context()
-        if decode is None and cpu_attention.can_run(q, self.kv_cache):  # short queries in one compiled call
-            out = cpu_attention.attention_rows(q, self.kv_cache, *meta, self.scale, torch.zeros_like(q))
-            if ctx.max_query_len <= MAX_BATCHED_QUERY_LEN:
-                return out
-            return attend_long_chunks(q, self.kv_cache, self._step_rows(ctx, meta), self.scale, out)
+        if decode is None and cpu_attention.can_run(q, self.kv_cache):  # every row in one compiled call
+            return cpu_attention.attention_rows(q, self.kv_cache, *meta, self.scale, torch.zeros_like(q))
         return paged_attention_batched(q, self.kv_cache, *meta, self.scale, decode=decode,
                                        rows=self._step_rows(ctx, meta))  # fmt: skip
 

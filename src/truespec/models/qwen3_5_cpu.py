@@ -1,5 +1,5 @@
 """The CPU path of a Qwen3.5 decoder layer through compiled calls: a GDN layer whole (cpu_kernels/gdn_layer.py), an
-attention layer whole for a step of short queries (cpu_kernels/attention_layer.py), else its post-attention norm and
+attention layer whole (cpu_kernels/attention_layer.py), else its post-attention norm and
 MLP (cpu_kernels/mlp_block.py). Each call is built once per layer and kept while the tensors it reads stay the same
 objects, storage and versions (cpu_kernels/build.tensor_key). Whether a layer takes a call depends on its weights and
 dtype (a row's bits must not depend on the rest of its batch); the one step-dependent choice, an attention layer's
@@ -125,8 +125,7 @@ def decoder_stack(model: nn.Module, h: torch.Tensor, cos: torch.Tensor, sin: tor
     ctx = get_forward_context()
     num_reqs = ctx.query_start_loc.shape[0] - 1
     if not cpu_decoder_stack.ENABLED or h.dim() != 2 or cos.dtype != h.dtype \
-            or ctx.state_src.shape[0] != num_reqs or ctx.seq_lens.shape[0] != num_reqs \
-            or ctx.max_query_len > cpu_attention_layer.MAX_BATCHED_QUERY_LEN:
+            or ctx.state_src.shape[0] != num_reqs or ctx.seq_lens.shape[0] != num_reqs:
         return None
     stack = model.cpu_stack.get(model.cpu_stack.key(model, h), lambda: _layer_calls(model, h, ctx), model.norm)
     if stack is None or torch.is_grad_enabled() and build.tracks_grad(h, *(t for c in stack.calls for t in c.tensors)):
@@ -160,11 +159,10 @@ def _gdn_call(layer: nn.Module, h: torch.Tensor) -> cpu_gdn_layer.GdnLayerCall |
 
 def _attention_call(layer: nn.Module, h: torch.Tensor,
                     ctx: ForwardContext) -> cpu_attention_layer.AttentionLayerCall | None:  # fmt: skip
-    """The attention layer's kept call for a step like ``ctx`` (short queries only) and rows like h, or None."""
+    """The attention layer's kept call for a step like ``ctx`` and rows like h, or None."""
     attn = layer.self_attn.attn
     if not cpu_attention_layer.ENABLED or attn.kv_cache is None or attn.kv_format is not None \
-            or attn.sparse_v is not None or ctx.max_query_len > cpu_attention_layer.MAX_BATCHED_QUERY_LEN \
-            or h.dim() != 2:
+            or attn.sparse_v is not None or h.dim() != 2:
         return None
     call = layer.cpu_calls.get("attention_layer", lambda: _attention_owners(layer), [attn.kv_cache],
                                lambda: _make_attention_call(layer, h, attn.kv_cache))  # fmt: skip

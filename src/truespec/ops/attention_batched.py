@@ -13,7 +13,7 @@ number of rows and requests beside it (tests/test_cpu_batched_ops.py).
 import torch
 
 from truespec.ops.attention import SlotDecoder
-from truespec.ops.attention_rows import MAX_BATCHED_QUERY_LEN, TILE, GroupRows, StepAttentionRows
+from truespec.ops.attention_rows import TILE, GroupRows, StepAttentionRows
 from truespec.ops.precision import as_dtype, compute_dtype
 
 ROWS_PER_PRODUCT = 2  # query rows per matrix product in the tile loop (``_online_softmax``)
@@ -35,16 +35,6 @@ def paged_attention_batched(q: torch.Tensor, kv_cache: torch.Tensor, query_start
     out = torch.zeros_like(q)
     for group in rows.groups:
         out[group.out_rows] = _attend_group(q, kv_cache, group, scale, decode).to(out.dtype)
-    return out
-
-
-def attend_long_chunks(q: torch.Tensor, kv_cache: torch.Tensor, rows: StepAttentionRows, scale: float,
-                       out: torch.Tensor) -> torch.Tensor:  # fmt: skip
-    """Only the rows of prefill chunks longer than MAX_BATCHED_QUERY_LEN (each its own group) into ``out``, over a
-    model-dtype cache: for a caller that computed the short queries' rows another way (cpu_kernels/attention.py)."""
-    for group in rows.groups:
-        if group.num_rows > MAX_BATCHED_QUERY_LEN:
-            out[group.out_rows] = _attend_group(q, kv_cache, group, scale, None).to(out.dtype)
     return out
 
 
