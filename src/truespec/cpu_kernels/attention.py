@@ -28,11 +28,11 @@ def attention_rows(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: tor
     suffix, scalar = build.SCALARS[q.dtype]
     meta = [build.as_int64(t) for t in (block_tables, query_start_loc, seq_lens)]
     p, i = build.POINTER, build.INT
-    argtypes = [p, i, i, p, p, p, i, p, p, i, i, i, i, i, i, scalar, p, i, i]
+    argtypes = [p, i, i, p, p, p, i, p, p, i, i, i, i, i, scalar, p, i, i]
     status = build.function(f"attention_rows_{suffix}", argtypes)(
         q.data_ptr(), q.stride(0), q.stride(1), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(), meta[0].data_ptr(),
-        meta[0].stride(0), meta[1].data_ptr(), meta[2].data_ptr(), meta[2].shape[0], q.shape[0],
-        num_heads, num_kv_heads, head_dim, block_size, scale, out.data_ptr(), out.stride(0), out.stride(1),
+        meta[0].stride(0), meta[1].data_ptr(), meta[2].data_ptr(), meta[2].shape[0], num_heads,
+        num_kv_heads, head_dim, block_size, scale, out.data_ptr(), out.stride(0), out.stride(1),
     )  # fmt: skip
     if status:
         raise MemoryError("attention_rows: the CPU kernel could not allocate its score buffer")

@@ -19,8 +19,8 @@
         const T *q, int64_t q_tok, int64_t q_head, /* [tokens, H, D] strides */                                     \
         const T *keys, const T *values,            /* [blocks, block_size, H_kv, D] each, contiguous */             \
         const int64_t *block_tables, int64_t bt_req, const int64_t *qsl, const int64_t *seq_lens, int64_t R,       \
-        int64_t max_query_len, int64_t H, int64_t H_kv, int64_t D, int64_t block_size, T scale,                   \
-        T *out, int64_t o_tok, int64_t o_head /* rows of requests with 1 .. max_query_len tokens written */) {     \
+        int64_t H, int64_t H_kv, int64_t D, int64_t block_size, T scale,                                            \
+        T *out, int64_t o_tok, int64_t o_head /* every request's rows written; padding rows left as they are */) { \
         int64_t max_keys = 1;                                                                                        \
         for (int64_t r = 0; r < R; r++) max_keys = seq_lens[r] > max_keys ? seq_lens[r] : max_keys;               \
         T *scores = malloc(sizeof(T) * max_keys);                                                                    \
@@ -28,7 +28,7 @@
         const int64_t group = H / H_kv;                                                                              \
         for (int64_t r = 0; r < R; r++) {                                                                            \
             const int64_t len = qsl[r + 1] - qsl[r];                                                                 \
-            if (len < 1 || len > max_query_len) continue;                                                            \
+            if (len < 1) continue;                                                                                   \
             const int64_t *table = block_tables + r * bt_req;                                                        \
             for (int64_t j = 0; j < len; j++) {                                                                      \
                 const int64_t row = qsl[r] + j, num_keys = seq_lens[r] - len + j + 1;                               \

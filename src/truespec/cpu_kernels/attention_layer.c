@@ -1,6 +1,6 @@
 /* A whole Qwen3.5 gated-attention decoder layer for a step on the CPU in one call (build.py builds
  * it, attention_layer.py calls it; models/qwen3_5.py's Qwen3_5DecoderLayer is the layer): add + RMSNorm, the qkv
- * projection, q / k norm + RoPE, the KV store, the attention of every request's 1 .. max_query_len rows, the sigmoid
+ * projection, q / k norm + RoPE, the KV store, the attention of every request's rows, the sigmoid
  * output gate, o_proj, then the post-attention norm and MLP (mlp_block.c). Each stage is the function that computes
  * it alone (stages.h) on the same rows, strides and order as the stage-by-stage path, so a row's bits are the same on
  * both paths and never depend on the rest of the step (a step with a longer prompt chunk takes the stage-by-stage
@@ -20,7 +20,7 @@
         const T *cos, const T *sin, int64_t rot, /* [M, rot] each */                                                \
         T *keys, T *values, int64_t block_size, /* the cache's halves [blocks, block_size, H_kv, Dh] */            \
         const int64_t *block_tables, int64_t bt_req, const int64_t *qsl, const int64_t *seq_lens, int64_t R,       \
-        const int64_t *slot_mapping, int64_t num_slots, int64_t max_query_len,                                     \
+        const int64_t *slot_mapping, int64_t num_slots,                                                              \
         int64_t H, int64_t H_kv, int64_t Dh, T scale,                                                                \
         T *work, /* scratch: M * (3 D + N_qkv + 3 H Dh + H_kv Dh + 3 I) */                                          \
         T *out, T *residual_out /* [M, D] each: the MLP's output, the stream after the attention */) {             \
@@ -35,8 +35,8 @@
             return 2;                                                                                                \
         store_kv_##SUFFIX(k, KD, Dh, proj + 2 * QD + KD, N_qkv, Dh, slot_mapping, num_slots, H_kv, Dh, keys, values); \
         memset(attn, 0, sizeof(T) * M * QD); /* rows no request owns stay zero */                                    \
-        if (attention_rows_##SUFFIX(q, QD, Dh, keys, values, block_tables, bt_req, qsl, seq_lens, R, max_query_len, \
-                                    H, H_kv, Dh, block_size, scale, attn, QD, Dh))                                   \
+        if (attention_rows_##SUFFIX(q, QD, Dh, keys, values, block_tables, bt_req, qsl, seq_lens, R, H, H_kv, Dh,   \
+                                    block_size, scale, attn, QD, Dh))                                                \
             return 1;                                                                                                \
         sigmoid_gate_##SUFFIX(attn, QD, Dh, proj + Dh, N_qkv, 2 * Dh, M, H, Dh, gated);                              \
         linear_##SUFFIX(gated, QD, o_packed, 0, M, D, QD, a, D);                                                     \
@@ -69,15 +69,15 @@
     int attention_layer_run_##SUFFIX(const void *bound, const T *h, const T *residual, int64_t M, const T *cos,     \
                                      const T *sin, int64_t rot, const int64_t *block_tables, int64_t bt_req,         \
                                      const int64_t *qsl, const int64_t *seq_lens, int64_t R,                         \
-                                     const int64_t *slot_mapping, int64_t num_slots, int64_t max_query_len, T *work, \
-                                     T *out, T *residual_out) {                                                      \
+                                     const int64_t *slot_mapping, int64_t num_slots, T *work, T *out,              \
+                                     T *residual_out) {                                                              \
         const attention_bound_##SUFFIX *b = bound;                                                                   \
         return attention_layer_##SUFFIX(h, residual, M, b->D, b->norm_w, b->norm_eps, b->norm_unit, b->post_w,       \
                                         b->post_eps, b->post_unit, b->qkv_packed, b->o_packed, b->gate_up_packed,   \
                                         b->I, b->down_packed, b->q_norm_w, b->k_norm_w, b->qk_eps, b->qk_unit, cos,  \
                                         sin, rot, b->keys, b->values, b->block_size, block_tables, bt_req, qsl,      \
-                                        seq_lens, R, slot_mapping, num_slots, max_query_len, b->H, b->H_kv, b->Dh,   \
-                                        b->scale, work, out, residual_out);                                          \
+                                        seq_lens, R, slot_mapping, num_slots, b->H, b->H_kv, b->Dh, b->scale, work,  \
+                                        out, residual_out);                                                          \
     }
 
 DEFINE_ATTENTION_LAYER(float, f32)

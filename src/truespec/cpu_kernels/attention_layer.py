@@ -80,7 +80,7 @@ class AttentionLayerCall:
         self.bound = build.Bound(f"attention_layer_bind_{suffix}", argtypes, args, kept + packs + (kv_cache,))
         # attention_layer.c's scratch
         self.work_per_row = 3 * self.dim + self.num_qkv + (3 * num_heads + num_kv_heads) * head_dim + 3 * self.inter
-        run_types = [p, p, p, i, p, p, i, p, i, p, p, i, p, i, i, p, p, p]
+        run_types = [p, p, p, i, p, p, i, p, i, p, p, i, p, i, p, p, p]
         self.fn = build.function(f"attention_layer_run_{suffix}", run_types)
 
     def __call__(self, h: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
@@ -96,7 +96,7 @@ class AttentionLayerCall:
         status = self.fn(self.bound.address, h.data_ptr(), None if residual is None else residual.data_ptr(),
                          h.shape[0], cos.data_ptr(), sin.data_ptr(), cos.shape[-1], tables.data_ptr(),
                          tables.stride(0), qsl.data_ptr(), seq_lens.data_ptr(), seq_lens.shape[0], slots.data_ptr(),
-                         slots.shape[0], h.shape[0], work.data_ptr(), out.data_ptr(),
+                         slots.shape[0], work.data_ptr(), out.data_ptr(),
                          residual_out.data_ptr())  # fmt: skip
         if status:
             raise MemoryError("attention_layer: the CPU kernel could not allocate its score buffer")

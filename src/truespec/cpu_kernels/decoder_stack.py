@@ -33,7 +33,7 @@ class DecoderStackCall:
         suffix, scalar = build.SCALARS[self.dtype]
         p, i = build.POINTER, build.INT
         self.fn = build.function(f"decoder_stack_{suffix}", [i, p, p, p, p, p, i, i, p, i, p, p, p, p, p, i, p, i, p,
-                                                             p, i, i, p, scalar, ctypes.c_int, p, p])  # fmt: skip
+                                                             p, i, p, scalar, ctypes.c_int, p, p])  # fmt: skip
 
     def __call__(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, gdn_meta: tuple[torch.Tensor, ...],
                  attention_meta: tuple[torch.Tensor, ...]) -> torch.Tensor:  # fmt: skip
@@ -51,7 +51,7 @@ class DecoderStackCall:
                          buffers[1].data_ptr(), buffers[2].data_ptr(), num_rows, self.dim, qsl.data_ptr(),
                          qsl.shape[0] - 1, src.data_ptr(), dst.data_ptr(), wstart.data_ptr(), cos.data_ptr(),
                          sin.data_ptr(), cos.shape[-1], tables.data_ptr(), tables.stride(0), seq_lens.data_ptr(),
-                         slots.data_ptr(), slots.shape[0], num_rows, *self.norm_args, work.data_ptr(),
+                         slots.data_ptr(), slots.shape[0], *self.norm_args, work.data_ptr(),
                          buffers[3].data_ptr())  # fmt: skip
         if status:
             raise MemoryError("decoder_stack: a layer's CPU kernel could not allocate its scratch")

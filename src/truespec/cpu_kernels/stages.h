@@ -22,7 +22,7 @@
                           const int64_t *slot_mapping, int64_t tokens, int64_t H_kv, int64_t D, T *keys, T *values); \
     int attention_rows_##SUFFIX(const T *q, int64_t q_tok, int64_t q_head, const T *keys, const T *values,          \
                                 const int64_t *block_tables, int64_t bt_req, const int64_t *qsl,                     \
-                                const int64_t *seq_lens, int64_t R, int64_t max_query_len, int64_t H, int64_t H_kv,  \
+                                const int64_t *seq_lens, int64_t R, int64_t H, int64_t H_kv,                         \
                                 int64_t D, int64_t block_size, T scale, T *out, int64_t o_tok, int64_t o_head);      \
     int sigmoid_gate_##SUFFIX(const T *x, int64_t x_tok, int64_t x_head, const T *gate, int64_t g_tok,             \
                               int64_t g_head, int64_t tokens, int64_t H, int64_t D, T *out);                         \
@@ -32,8 +32,8 @@
     int attention_layer_run_##SUFFIX(const void *bound, const T *h, const T *residual, int64_t M, const T *cos,     \
                                      const T *sin, int64_t rot, const int64_t *block_tables, int64_t bt_req,         \
                                      const int64_t *qsl, const int64_t *seq_lens, int64_t R,                         \
-                                     const int64_t *slot_mapping, int64_t num_slots, int64_t max_query_len, T *work, \
-                                     T *out, T *residual_out);                                                       \
+                                     const int64_t *slot_mapping, int64_t num_slots, T *work, T *out,              \
+                                     T *residual_out);                                                               \
     int mlp_block_##SUFFIX(const T *x, const T *stream, int64_t M, int64_t D, const T *norm_w, T norm_eps,           \
                            int norm_unit, const T *gate_up_packed, int64_t I, const T *down_packed, T *work, T *out, \
                            T *stream_out);

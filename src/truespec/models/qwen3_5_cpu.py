@@ -17,7 +17,7 @@ from truespec.cpu_kernels import build
 from truespec.cpu_kernels import decoder_stack as cpu_decoder_stack
 from truespec.cpu_kernels import gdn_layer as cpu_gdn_layer
 from truespec.cpu_kernels import mlp_block as cpu_mlp_block
-from truespec.forward_context import ForwardContext, get_forward_context
+from truespec.forward_context import get_forward_context
 
 Owners = list[tuple[nn.Module, str]]  # (module, parameter name) of the weights a call reads, in its key's order
 
@@ -62,12 +62,12 @@ def gdn_layer(layer: nn.Module, h: torch.Tensor,
 
 def attention_layer(layer: nn.Module, h: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
                     sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:  # fmt: skip
-    """A gated-attention decoder layer's (MLP output, residual) in one call, for a step whose queries are all short
-    (decodes, verifies, short chunks) over a model-dtype cache, where its kernels take every stage."""
+    """A gated-attention decoder layer's (MLP output, residual) in one call, for a step over a model-dtype cache, where
+    its kernels take every stage."""
     if residual is not None and (residual.shape != h.shape or residual.dtype != h.dtype) or cos.dtype != h.dtype:
         return None
     ctx = get_forward_context()
-    if (call := _attention_call(layer, h, ctx)) is None:
+    if (call := _attention_call(layer, h)) is None:
         return None
     return call(h, residual, cos, sin, (ctx.block_tables, ctx.query_start_loc, ctx.seq_lens, ctx.slot_mapping))
 
@@ -84,8 +84,8 @@ class KeptStack:
         self._attns: list[nn.Module] = []  # the PagedAttention modules (their caches)
 
     def key(self, model: nn.Module, h: torch.Tensor) -> tuple:
-        """What the stack's layer calls depend on, besides the step's query lengths (checked by the caller): ~25 us
-        for the embedded model's 12 layers (the per-layer checks it replaces cost ~10 us a layer)."""
+        """What the stack's layer calls depend on: ~25 us for the embedded model's 12 layers (the per-layer checks it
+        replaces cost ~10 us a layer)."""
         if self._sources is None:
             layers = list(model.layers)
             self._gdns = [layer.linear_attn for layer in layers if layer.layer_type == "linear_attention"]
@@ -127,19 +127,19 @@ def decoder_stack(model: nn.Module, h: torch.Tensor, cos: torch.Tensor, sin: tor
     if not cpu_decoder_stack.ENABLED or h.dim() != 2 or cos.dtype != h.dtype \
             or ctx.state_src.shape[0] != num_reqs or ctx.seq_lens.shape[0] != num_reqs:
         return None
-    stack = model.cpu_stack.get(model.cpu_stack.key(model, h), lambda: _layer_calls(model, h, ctx), model.norm)
+    stack = model.cpu_stack.get(model.cpu_stack.key(model, h), lambda: _layer_calls(model, h), model.norm)
     if stack is None or torch.is_grad_enabled() and build.tracks_grad(h, *(t for c in stack.calls for t in c.tensors)):
         return None
     return stack(h, cos, sin, (ctx.query_start_loc, ctx.state_src, ctx.state_dst, ctx.state_write_start),
                  (ctx.block_tables, ctx.seq_lens, ctx.slot_mapping))  # fmt: skip
 
 
-def _layer_calls(model: nn.Module, h: torch.Tensor, ctx: ForwardContext) -> list | None:
+def _layer_calls(model: nn.Module, h: torch.Tensor) -> list | None:
     """Each layer's kept call for this step, in layer order; None if some layer cannot take its call."""
     calls = []
     for layer in model.layers:
         is_linear = layer.layer_type == "linear_attention"
-        call = _gdn_call(layer, h) if is_linear else _attention_call(layer, h, ctx)
+        call = _gdn_call(layer, h) if is_linear else _attention_call(layer, h)
         if call is None:
             return None
         calls.append(call)
@@ -157,9 +157,8 @@ def _gdn_call(layer: nn.Module, h: torch.Tensor) -> cpu_gdn_layer.GdnLayerCall |
     return None if call is None or h.dtype != call.dtype or build.tracks_grad(h, *call.tensors) else call
 
 
-def _attention_call(layer: nn.Module, h: torch.Tensor,
-                    ctx: ForwardContext) -> cpu_attention_layer.AttentionLayerCall | None:  # fmt: skip
-    """The attention layer's kept call for a step like ``ctx`` and rows like h, or None."""
+def _attention_call(layer: nn.Module, h: torch.Tensor) -> cpu_attention_layer.AttentionLayerCall | None:
+    """The attention layer's kept call for rows like h, or None."""
     attn = layer.self_attn.attn
     if not cpu_attention_layer.ENABLED or attn.kv_cache is None or attn.kv_format is not None \
             or attn.sparse_v is not None or h.dim() != 2:
