@@ -310,3 +310,36 @@ def test_gpu_chunked_prefill_without_fused_l2norm() -> None:
     out = gdn_chunked(*tensors, b["state"], **b["meta"], use_qk_l2norm=False, min_chunk_len=64)
     expected = gdn_recurrent_ref(*tensors, state, **b["meta"], use_qk_l2norm=False)
     assert rel_err(out, expected) < GPU_REL_TOL[torch.float32] and rel_err(b["state"], state) < 1e-2
+
+
+@pytest.mark.gpu
+@needs_fla
+@pytest.mark.parametrize("hk, hv, dk, dv", [(16, 16, 128, 128), (8, 16, 128, 128), (4, 4, 64, 96)])
+def test_gpu_pinned_fla_configs_give_the_tuned_configs_bits(hk: int, hv: int, dk: int, dv: int) -> None:
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    from truespec.kernels import fla_configs
+
+    if not fla_configs.pin():
+        pytest.skip("no fla configs pinned for this GPU")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    lengths = [700, 64, 1, 300, 129]  # ragged: a chunk-sized and a one-token sequence among them
+    t = sum(lengths)
+    q, k = (torch.randn(1, t, hk, dk, device="cuda", generator=gen) for _ in range(2))
+    v = torch.randn(1, t, hv, dv, device="cuda", generator=gen)
+    g = -0.1 * torch.rand(1, t, hv, device="cuda", generator=gen)
+    beta = torch.rand(1, t, hv, device="cuda", generator=gen)
+    h0 = 0.1 * torch.randn(len(lengths), hv, dk, dv, device="cuda", generator=gen)
+    cu_cpu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+
+    def run() -> tuple[torch.Tensor, torch.Tensor]:
+        return chunk_gated_delta_rule(q, k, v, g, beta, scale=dk**-0.5, initial_state=h0, output_final_state=True,
+                                      use_qk_l2norm_in_kernel=True, cu_seqlens=cu_cpu.cuda(), cu_seqlens_cpu=cu_cpu)
+
+    pinned = run()
+    fla_configs.unpin()
+    try:
+        tuned = run()
+    finally:
+        fla_configs.pin()
+    assert all(torch.equal(a, b) for a, b in zip(pinned, tuned, strict=True))

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
+from truespec.kernels import fla_configs
 from truespec.kernels.gdn_recurrent import gdn_recurrent
 from truespec.ops.state_slots import SlotGather, StateSlots
 
@@ -49,6 +50,8 @@ def _import_fla() -> Callable | None:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
     except Exception:  # noqa: BLE001 - not installed, or does not import with this torch / triton
         return None
+    if torch.cuda.is_available():
+        fla_configs.pin()
     return chunk_gated_delta_rule
 
 
