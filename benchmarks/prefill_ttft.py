@@ -4,10 +4,10 @@
         [--stall 32768] [--json FILE]
 
 TTFT: per (prompt length, batch size), ``batch size`` distinct random-id prompts sent at once, one output token each
-(greedy, prefix caching off, the engine's default chunk budget; ``--repeats`` such runs, the median by wall time
-reported); the mean TTFT of the batch, the batch's wall time
+(greedy, prefix caching off, the engine's default chunk budget; ``--warmups`` untimed runs, then ``--repeats`` timed
+ones, the median by wall time reported); the mean TTFT of the batch, the batch's wall time
 and the prefill FLOP/s it achieved (2 x non-embedding parameters per prompt token, the lm_head once per request,
-plus 2 x 2 x heads x head_dim x L^2 / 2 per attention layer: causal QK^T and PV). One untimed warm-up per length.
+plus 2 x 2 x heads x head_dim x L^2 / 2 per attention layer: causal QK^T and PV).
 
 Stall (``--stall L``): 8 requests decode (64-token prompts, 512 tokens each); once each has 32 tokens an L-token
 prompt arrives. Reported: the decoding requests' inter-token gaps before it arrived and while it was prefilled
@@ -47,10 +47,12 @@ def prefill_flops(llm: LLM, length: int) -> float:
     return 2 * params * length + 2 * lm_head + num_attn * 2 * cfg.num_attention_heads * head_dim * length * length
 
 
-def ttft(llm: LLM, length: int, batch_size: int, vocab_size: int, repeats: int = 1) -> dict[str, float]:
-    """The run with the median batch wall time of ``repeats`` (distinct prompts each), after one warm-up."""
+def ttft(llm: LLM, length: int, batch_size: int, vocab_size: int, repeats: int = 1, warmups: int = 1
+         ) -> dict[str, float]:  # fmt: skip
+    """The run with the median batch wall time of ``repeats`` (distinct prompts each), after ``warmups`` runs."""
     params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
-    llm.generate(random_prompts(vocab_size, 1, length, seed=1), params, use_tqdm=False)  # warm-up
+    for i in range(warmups):
+        llm.generate(random_prompts(vocab_size, batch_size, length, seed=1 + i), params, use_tqdm=False)
     runs = []
     for i in range(repeats):
         prompts = random_prompts(vocab_size, batch_size, length, seed=length + batch_size + 1000 * i)
@@ -103,6 +105,8 @@ def main() -> None:
     parser.add_argument("--model", required=True)
     parser.add_argument("--prompts", type=int, nargs="+", default=[512, 8192, 32768])
     parser.add_argument("--repeats", type=int, default=1, help="timed runs per row (the median is reported)")
+    parser.add_argument("--warmups", type=int, default=4, help="untimed runs per row first (a process's first "
+                        "long prefills ran up to 2x slower on the H200 for 4-6 runs: BENCHMARKS.md, session 25)")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--stall", type=int, default=None, help="prompt length that arrives while 8 requests decode")
     parser.add_argument("--label", default="")
@@ -117,7 +121,8 @@ def main() -> None:
               max_num_seqs=max(args.batch_sizes + [9]), enable_prefix_caching=False,
               long_prefill_token_threshold=args.long_prefill_token_threshold)  # fmt: skip
     vocab = llm.llm_engine.vocab_size
-    rows = {f"{p}/{b}": ttft(llm, p, b, vocab, args.repeats) for p in args.prompts for b in args.batch_sizes}
+    rows = {f"{p}/{b}": ttft(llm, p, b, vocab, args.repeats, args.warmups) for p in args.prompts
+            for b in args.batch_sizes}  # fmt: skip
     stalled = stall(llm, args.stall, vocab) if args.stall else None
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     print(f"\n{device} {args.label}: TTFT of random prompts ({args.dtype}, prefix caching off)")

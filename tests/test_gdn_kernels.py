@@ -170,7 +170,7 @@ def check_causal_conv1d(
     x = randn(num_tokens, channels + 3, dtype=dtype, gen=gen)[:, :channels]  # strided rows
     weight = randn(channels, 1, kernel, dtype=dtype, gen=gen)
     conv_state = randn(NUM_SLOTS, channels, kernel - 1, dtype=dtype, gen=gen)
-    expected_state, index_select_state = conv_state.clone(), conv_state.clone()
+    expected_state, index_select_state, plain_state = conv_state.clone(), conv_state.clone(), conv_state.clone()
     args = (batch["query_start_loc"], batch["state_src"], batch["state_dst"], batch["state_write_start"])
     with poisoned_empty():
         out = causal_conv1d(x, weight, conv_state, *args, block_t=block_t, block_c=block_c)
@@ -180,6 +180,8 @@ def check_causal_conv1d(
     with mock.patch.object(causal_conv1d_module, "gather_windows", index_select_gather):
         assert torch.equal(out, causal_conv1d(x, weight, index_select_state, *args, block_t=block_t, block_c=block_c))
     assert torch.equal(conv_state, index_select_state)
+    plain = causal_conv1d(x, weight, plain_state, *args, block_t=block_t, block_c=block_c, plain_tiles=True)
+    assert torch.equal(plain, out) and torch.equal(plain_state, conv_state)
 
 
 def index_select_gather(conv_state: torch.Tensor, state_src: torch.Tensor) -> torch.Tensor:
@@ -200,6 +202,15 @@ def test_causal_conv1d_tile_rows_take_their_own_request(dtype: torch.dtype) -> N
     window) start and end mid-tile; the last tile holds a fresh prefill, an inert row, padding and rows past T."""
     rows = [(1, 5, 1, 0), (0, 9, 8, -1), (0, -1, -1, 0), (4, 3, 4, 0), (1, 12, 12, 0), (0, -1, -1, 0)]
     rows += [(20, -1, 13, 19), (3, 16, 14, 0), (19, 18, 17, 18), (2, -1, 20, 1), (1, 22, -1, 0)]
+    check_causal_conv1d(dtype, rows, channels=40, kernel=4, block_c=16, block_t=8)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_causal_conv1d_plain_tiles_inside_a_long_prompt(dtype: torch.dtype) -> None:
+    """A 45-token prompt keeping its last window between a decode and a verify: tiles of 8 rows wholly inside it
+    take ``plain_tiles``' branch, its first and last tiles and the others the general one; the same bits
+    (check_causal_conv1d compares both)."""
+    rows = [(1, 5, 1, 0), (45, -1, 13, 44), (3, 16, 14, 0), (40, 18, -1, 0)]
     check_causal_conv1d(dtype, rows, channels=40, kernel=4, block_c=16, block_t=8)
 
 
@@ -228,6 +239,11 @@ def test_causal_conv1d_split_output_holds_the_same_values(dtype: torch.dtype, wi
         for part, want in zip(parts, expected, strict=True):
             assert part.is_contiguous() and part.dtype == (out_dtype or dtype)
             assert torch.equal(part, want.to(part.dtype))
+        state = conv_state.clone()
+        parts = causal_conv1d(x, weight, state, *args, block_t=8, block_c=16, split=widths, out_dtype=out_dtype,
+                              plain_tiles=True)  # fmt: skip
+        assert torch.equal(state, plain_state)
+        assert all(torch.equal(part, want.to(part.dtype)) for part, want in zip(parts, expected, strict=True))
     with pytest.raises(ValueError, match="three positive widths"):
         causal_conv1d(x, weight, conv_state, *args, split=(20, 20, 1))
 

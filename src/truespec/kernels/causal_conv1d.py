@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from truespec.kernels.triton_utils import find_requests, tl_compute_dtype
+from truespec.kernels.triton_utils import find_requests, reduce_max, reduce_min, tl_compute_dtype
 
 SMALL_STEP_TOKENS = 256  # up to this many rows (decode / verify steps, graph sizes) one row a program; tiles above
 
@@ -105,6 +105,7 @@ def _causal_conv1d_kernel(
     APPLY_SILU: tl.constexpr,
     ACC_DTYPE: tl.constexpr,
     SPLIT: tl.constexpr,
+    PLAIN_TILES: tl.constexpr,
 ):
     tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BLOCK_T] packed rows, of any requests
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -124,12 +125,23 @@ def _causal_conv1d_kernel(
     keep_mask = is_kept[:, None] & c_mask[None, :]
 
     acc = tl.full([BLOCK_T, BLOCK_C], 0, ACC_DTYPE)
-    for j in tl.static_range(K):
-        w = tl.load(weight_ptr + c * K + j, mask=c_mask, other=0.0).to(ACC_DTYPE)
-        x = _conv_inputs(x_ptr, init_rows, start, offset - (K - 1) + j, has_init, c, mask, stride_x_tok, K)
-        acc += w[None, :] * x.to(ACC_DTYPE)
-        if j > 0:  # inputs 1..K-1 are the window ending at the row: kept rows store them, from these registers
-            tl.store(window_ptr + (j - 1), x.to(conv_state_ptr.dtype.element_ty), mask=keep_mask)
+    is_plain = False
+    if PLAIN_TILES:  # every row valid, of one request, past its first K-1 tokens, keeping no window
+        is_special = (~is_valid | is_kept | (offset < K - 1)).to(tl.int32)
+        is_plain = (reduce_max(is_special, 0) == 0) & (reduce_max(r, 0) == reduce_min(r, 0))
+    if is_plain:  # the same products in the same order, from plain shifted row loads
+        for j in tl.static_range(K):
+            w = tl.load(weight_ptr + c * K + j, mask=c_mask, other=0.0).to(ACC_DTYPE)
+            x_rows = (tokens - (K - 1) + j).to(tl.int64) * stride_x_tok
+            x = tl.load(x_ptr + x_rows[:, None] + c[None, :], mask=c_mask[None, :], other=0.0)
+            acc += w[None, :] * x.to(ACC_DTYPE)
+    else:
+        for j in tl.static_range(K):
+            w = tl.load(weight_ptr + c * K + j, mask=c_mask, other=0.0).to(ACC_DTYPE)
+            x = _conv_inputs(x_ptr, init_rows, start, offset - (K - 1) + j, has_init, c, mask, stride_x_tok, K)
+            acc += w[None, :] * x.to(ACC_DTYPE)
+            if j > 0:  # inputs 1..K-1 are the window ending at the row: kept rows store them, from these registers
+                tl.store(window_ptr + (j - 1), x.to(conv_state_ptr.dtype.element_ty), mask=keep_mask)
     y = acc.to(x_ptr.dtype.element_ty).to(ACC_DTYPE)  # the conv output rounds to the model dtype first
     if APPLY_SILU:
         y = y / (1.0 + tl.exp(-y))
@@ -160,11 +172,13 @@ def causal_conv1d(
     num_warps: int = 4,
     split: tuple[int, int, int] | None = None,
     out_dtype: torch.dtype | None = None,
+    plain_tiles: bool | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Conv + activation of x [T, C] with weight [C, K] (or nn.Conv1d's [C, 1, K]); updates ``conv_state``
     [num_slots, C, K-1] in place. Returns [T, C] in x's dtype (rows past query_start_loc[R], a graph's
     padding: zeros), or with ``split`` (three widths summing to C) three contiguous [T, width] tensors holding the
-    same values, in ``out_dtype`` (default x's; a wider one holds the x-dtype values exactly)."""
+    same values, in ``out_dtype`` (default x's; a wider one holds the x-dtype values exactly). ``plain_tiles``: tiles
+    inside one request's prompt take a branch without window reads or stores (the same bits; a speed option)."""
     num_tokens, channels = x.shape
     weight = weight.reshape(channels, -1).contiguous()
     kernel = weight.shape[1]
@@ -182,7 +196,7 @@ def causal_conv1d(
         out.zero_()
     else:
         _launch(out, x, weight, conv_state, (query_start_loc, state_src, state_dst, state_write_start), activation,
-                block_t, block_c, num_warps, split)
+                block_t, block_c, num_warps, split, plain_tiles)
     if split is None:
         return out
     parts = out.split([num_tokens * width for width in split])
@@ -191,7 +205,7 @@ def causal_conv1d(
 
 def _launch(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor,
             meta: tuple[torch.Tensor, ...], activation: str | None, block_t: int | None, block_c: int | None,
-            num_warps: int, split: tuple[int, int, int] | None) -> None:  # fmt: skip
+            num_warps: int, split: tuple[int, int, int] | None, plain_tiles: bool | None) -> None:  # fmt: skip
     num_tokens, channels = x.shape
     query_start_loc, state_src, state_dst, state_write_start = meta
     num_reqs = state_src.shape[0]
@@ -200,11 +214,13 @@ def _launch(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, conv_state
         block_t = 1 if num_tokens <= SMALL_STEP_TOKENS else 4
     if block_c is None:
         block_c = 256
+    if plain_tiles is None:  # long steps: the branch for tiles inside a prompt (H200, 8K rows: 240 -> 164 us)
+        plain_tiles = num_tokens > SMALL_STEP_TOKENS
     grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(channels, block_c))
     split_1, split_2 = (0, 0) if split is None else (split[0], split[0] + split[1])
     _causal_conv1d_kernel[grid](
         out, x, weight, init, conv_state, query_start_loc, state_src, state_dst, state_write_start, num_tokens,
         num_reqs, x.stride(0), channels, conv_state.stride(0), conv_state.stride(1), split_1, split_2,
         C=channels, BLOCK_T=block_t, BLOCK_C=block_c, K=weight.shape[1], APPLY_SILU=activation is not None,
-        ACC_DTYPE=tl_compute_dtype(x.dtype), SPLIT=split is not None, num_warps=num_warps,
+        ACC_DTYPE=tl_compute_dtype(x.dtype), SPLIT=split is not None, PLAIN_TILES=plain_tiles, num_warps=num_warps,
     )  # fmt: skip
