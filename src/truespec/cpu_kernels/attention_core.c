@@ -6,9 +6,9 @@
  * at the end. A row's arithmetic depends on its own query and keys only, in a fixed order (lanes.h's dot product), so
  * its bits never depend on the rows beside it: a verify row is computed as the same decode row (invariant 4).
  * Compiled with -ffp-contract=off (see gdn_core.c). For speed, up to ROW_TILE rows of a request and the query heads
- * of one kv head take each key and value from one load, and keys are walked block by block (no division per key);
- * per (row, head) the operations and their order are those of the row alone (a 2,000-token prompt's CPU prefill
- * 857-879 -> 801-809 ms on session 25's Xeon, the same bits).
+ * of one kv head take each key and value from one load, and a request's key offsets are listed once (no division
+ * per key); per (row, head) the operations and their order are those of the row alone (a 2,000-token prompt's CPU
+ * prefill 857-879 -> 801-809 ms on session 25's Xeon, the same bits).
  */
 #include <math.h>
 #include <stdint.h>
@@ -20,49 +20,39 @@
 
 #define ROW_TILE 4 /* query rows of a request that share each pass over its keys */
 
-/* The rows [j0, j0 + rows) of request r (tokens row0 + t) and the query heads of kv head g: each key and value is
- * loaded once for all of them. Per (row, head) the operations are those of a row computed alone, in key order. */
+/* The rows [row0, row0 + rows) of a request and the query heads of kv head g: each key and value is loaded once for
+ * all of them. Per (row, head) the operations are those of a row computed alone, in key order. ``at[n]``: where key n
+ * of the request sits in the cache halves (its slot's first element of kv head 0). */
 #define DEFINE_ATTENTION_TILE(T, SUFFIX, EXP)                                                                       \
     static void attention_tile_##SUFFIX(                                                                            \
-        const T *q, int64_t q_tok, int64_t q_head, const T *keys, const T *values, const int64_t *table,            \
-        int64_t row0, int64_t rows, int64_t first_keys, int64_t g, int64_t group, int64_t H_kv, int64_t D,          \
-        int64_t block_size, T scale, T *out, int64_t o_tok, int64_t o_head, T *scores, int64_t stride, T *m, T *l) { \
+        const T *q, int64_t q_tok, int64_t q_head, const T *keys, const T *values, const int64_t *at, int64_t row0,  \
+        int64_t rows, int64_t first_keys, int64_t g, int64_t group, int64_t D, T scale, T *out, int64_t o_tok,       \
+        int64_t o_head, T *scores, int64_t stride, T *m, T *l) {                                                     \
         const int64_t last_keys = first_keys + rows - 1; /* row t sees keys 0 .. first_keys + t - 1 */             \
-        const int64_t heads = rows * group;                                                                          \
-        for (int64_t i = 0; i < heads; i++) m[i] = -INFINITY, l[i] = 0;                                            \
-        for (int64_t n0 = 0, b = 0; n0 < last_keys; n0 += block_size, b++) {                                        \
-            const int64_t base = table[b] * block_size, count = last_keys - n0 < block_size ? last_keys - n0 : block_size; \
-            for (int64_t i = 0; i < count; i++) {                                                                   \
-                const int64_t n = n0 + i;                                                                            \
-                const T *kn = keys + ((base + i) * H_kv + g) * D;                                                    \
-                for (int64_t t = n < first_keys ? 0 : n - first_keys + 1; t < rows; t++)                            \
-                    for (int64_t hh = 0; hh < group; hh++) {                                                         \
-                        const int64_t k = t * group + hh;                                                            \
-                        const T s = lane_dot_##SUFFIX(q + (row0 + t) * q_tok + (g * group + hh) * q_head, kn, D) * scale; \
-                        scores[k * stride + n] = s;                                                                  \
-                        m[k] = s > m[k] ? s : m[k];                                                                  \
-                    }                                                                                                \
-            }                                                                                                        \
+        for (int64_t i = 0; i < rows * group; i++) m[i] = -INFINITY, l[i] = 0;                                     \
+        for (int64_t n = 0; n < last_keys; n++) {                                                                    \
+            const T *kn = keys + at[n] + g * D;                                                                      \
+            for (int64_t t = n < first_keys ? 0 : n - first_keys + 1; t < rows; t++)                                \
+                for (int64_t hh = 0, k = t * group; hh < group; hh++, k++) {                                         \
+                    const T s = lane_dot_##SUFFIX(q + (row0 + t) * q_tok + (g * group + hh) * q_head, kn, D) * scale; \
+                    scores[k * stride + n] = s;                                                                      \
+                    m[k] = s > m[k] ? s : m[k];                                                                      \
+                }                                                                                                    \
         }                                                                                                            \
         for (int64_t t = 0; t < rows; t++)                                                                           \
             for (int64_t hh = 0; hh < group; hh++) {                                                                 \
                 T *oh = out + (row0 + t) * o_tok + (g * group + hh) * o_head;                                        \
                 for (int64_t d = 0; d < D; d++) oh[d] = 0;                                                           \
             }                                                                                                        \
-        for (int64_t n0 = 0, b = 0; n0 < last_keys; n0 += block_size, b++) {                                        \
-            const int64_t base = table[b] * block_size, count = last_keys - n0 < block_size ? last_keys - n0 : block_size; \
-            for (int64_t i = 0; i < count; i++) {                                                                   \
-                const int64_t n = n0 + i;                                                                            \
-                const T *vn = values + ((base + i) * H_kv + g) * D;                                                  \
-                for (int64_t t = n < first_keys ? 0 : n - first_keys + 1; t < rows; t++)                            \
-                    for (int64_t hh = 0; hh < group; hh++) {                                                         \
-                        const int64_t k = t * group + hh;                                                            \
-                        const T p = EXP(scores[k * stride + n] - m[k]);                                              \
-                        T *oh = out + (row0 + t) * o_tok + (g * group + hh) * o_head;                                \
-                        l[k] = l[k] + p;                                                                             \
-                        for (int64_t d = 0; d < D; d++) oh[d] = oh[d] + p * vn[d];                                   \
-                    }                                                                                                \
-            }                                                                                                        \
+        for (int64_t n = 0; n < last_keys; n++) {                                                                    \
+            const T *vn = values + at[n] + g * D;                                                                    \
+            for (int64_t t = n < first_keys ? 0 : n - first_keys + 1; t < rows; t++)                                \
+                for (int64_t hh = 0, k = t * group; hh < group; hh++, k++) {                                         \
+                    const T p = EXP(scores[k * stride + n] - m[k]);                                                  \
+                    T *oh = out + (row0 + t) * o_tok + (g * group + hh) * o_head;                                    \
+                    l[k] = l[k] + p;                                                                                 \
+                    for (int64_t d = 0; d < D; d++) oh[d] = oh[d] + p * vn[d];                                       \
+                }                                                                                                    \
         }                                                                                                            \
         for (int64_t t = 0; t < rows; t++)                                                                           \
             for (int64_t hh = 0; hh < group; hh++) {                                                                 \
@@ -83,17 +73,28 @@
         for (int64_t r = 0; r < R; r++) max_keys = seq_lens[r] > max_keys ? seq_lens[r] : max_keys;               \
         const int64_t group = H / H_kv, heads = ROW_TILE * group;                                                    \
         T *scores = malloc(sizeof(T) * (heads * max_keys + 2 * heads));                                              \
-        if (!scores) return 1;                                                                                       \
+        int64_t *at = malloc(sizeof(int64_t) * max_keys);                                                            \
+        if (!scores || !at) {                                                                                        \
+            free(scores);                                                                                            \
+            free(at);                                                                                                \
+            return 1;                                                                                                \
+        }                                                                                                            \
         for (int64_t r = 0; r < R; r++) {                                                                            \
-            const int64_t len = qsl[r + 1] - qsl[r];                                                                 \
+            const int64_t len = qsl[r + 1] - qsl[r], *table = block_tables + r * bt_req;                            \
+            if (len < 1) continue;                                                                                   \
+            for (int64_t n = 0, b = 0, i = 0; n < seq_lens[r]; n++, i++) { /* the request's keys, block by block */ \
+                if (i == block_size) b++, i = 0;                                                                     \
+                at[n] = (table[b] * block_size + i) * H_kv * D;                                                      \
+            }                                                                                                        \
             for (int64_t j0 = 0; j0 < len; j0 += ROW_TILE)                                                           \
                 for (int64_t g = 0; g < H_kv; g++)                                                                   \
-                    attention_tile_##SUFFIX(q, q_tok, q_head, keys, values, block_tables + r * bt_req, qsl[r] + j0,  \
+                    attention_tile_##SUFFIX(q, q_tok, q_head, keys, values, at, qsl[r] + j0,                        \
                                             len - j0 < ROW_TILE ? len - j0 : ROW_TILE, seq_lens[r] - len + j0 + 1, g, \
-                                            group, H_kv, D, block_size, scale, out, o_tok, o_head, scores, max_keys,  \
+                                            group, D, scale, out, o_tok, o_head, scores, max_keys,                    \
                                             scores + heads * max_keys, scores + heads * max_keys + heads);           \
         }                                                                                                            \
         free(scores);                                                                                                \
+        free(at);                                                                                                    \
         return 0;                                                                                                    \
     }
 
