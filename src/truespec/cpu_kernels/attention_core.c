@@ -3,12 +3,13 @@
  *
  * Query row (request r, offset j, head h) sits at position p = seq_lens[r] - query_len + j and sees keys 0 .. p of
  * its request: scores q.k * scale, their maximum, then sum exp(s - max) and sum exp(s - max) v in key order, divided
- * at the end. A row's arithmetic depends on its own query and keys only, in a fixed order (lanes.h's dot product), so
+ * at the end (exp: vexp.h's, vectorised over a row's keys; libm's expf before session 25: ~3e-8 relative apart). A row's arithmetic depends on its own query and keys only, in a fixed order (lanes.h's dot product), so
  * its bits never depend on the rows beside it: a verify row is computed as the same decode row (invariant 4).
  * Compiled with -ffp-contract=off (see gdn_core.c). For speed, up to ROW_TILE rows of a request and the query heads
  * of one kv head take each key and value from one load, and a request's key offsets are listed once (no division
  * per key), 16 keys' scores at a time (lanes.h's dots16); per (row, head) the operations and their order are those
- * of the row alone (a 2,000-token prompt's CPU prefill 857-879 -> 727-764 ms on session 25's Xeon, the same bits).
+ * of the row alone (a 2,000-token prompt's CPU prefill 857-879 -> 727-764 ms on session 25's Xeon, the same bits;
+ * with vexp 705-708 ms).
  */
 #include <math.h>
 #include <stdint.h>
@@ -16,6 +17,7 @@
 #include <string.h>
 
 #include "lanes.h"
+#include "vexp.h"
 #include "stages.h"
 
 #define ROW_TILE 4 /* query rows of a request that share each pass over its keys */
@@ -57,15 +59,17 @@
                 }                                                                                                    \
         }                                                                                                            \
         for (int64_t t = 0; t < rows; t++)                                                                           \
-            for (int64_t hh = 0; hh < group; hh++) {                                                                 \
-                T *oh = out + (row0 + t) * o_tok + (g * group + hh) * o_head;                                        \
+            for (int64_t hh = 0, k = t * group; hh < group; hh++, k++) { /* scores -> exp(s - max), vectorised */  \
+                T *oh = out + (row0 + t) * o_tok + (g * group + hh) * o_head, *sk = scores + k * stride;             \
+                const T mk = m[k];                                                                                   \
                 for (int64_t d = 0; d < D; d++) oh[d] = 0;                                                           \
+                for (int64_t n = 0; n < first_keys + t; n++) sk[n] = EXP(sk[n] - mk);                                \
             }                                                                                                        \
         for (int64_t n = 0; n < last_keys; n++) {                                                                    \
             const T *vn = values + at[n] + g * D;                                                                    \
             for (int64_t t = n < first_keys ? 0 : n - first_keys + 1; t < rows; t++)                                \
                 for (int64_t hh = 0, k = t * group; hh < group; hh++, k++) {                                         \
-                    const T p = EXP(scores[k * stride + n] - m[k]);                                                  \
+                    const T p = scores[k * stride + n];                                                              \
                     T *oh = out + (row0 + t) * o_tok + (g * group + hh) * o_head;                                    \
                     l[k] = l[k] + p;                                                                                 \
                     for (int64_t d = 0; d < D; d++) oh[d] = oh[d] + p * vn[d];                                       \
@@ -115,8 +119,8 @@
         return 0;                                                                                                    \
     }
 
-DEFINE_ATTENTION_ROWS(float, f32, expf)
-DEFINE_ATTENTION_ROWS(double, f64, exp)
+DEFINE_ATTENTION_ROWS(float, f32, vexp_f32)
+DEFINE_ATTENTION_ROWS(double, f64, vexp_f64)
 
 /* Store a step's keys and values at their cache slots (ops/attention.py's reshape_and_cache_ref): row t of k / v
  * [tokens, H_kv, D] (strided rows and heads) into slot slot_mapping[t] of the cache halves; slot -1 writes nothing. */
