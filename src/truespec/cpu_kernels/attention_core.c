@@ -3,13 +3,12 @@
  *
  * Query row (request r, offset j, head h) sits at position p = seq_lens[r] - query_len + j and sees keys 0 .. p of
  * its request: scores q.k * scale, their maximum, then sum exp(s - max) and sum exp(s - max) v in key order, divided
- * at the end (exp: vexp.h's, vectorised over a row's keys; libm's expf before session 25: ~3e-8 relative apart). A row's arithmetic depends on its own query and keys only, in a fixed order (lanes.h's dot product), so
- * its bits never depend on the rows beside it: a verify row is computed as the same decode row (invariant 4).
- * Compiled with -ffp-contract=off (see gdn_core.c). For speed, up to ROW_TILE rows of a request and the query heads
- * of one kv head take each key and value from one load, and a request's key offsets are listed once (no division
- * per key), 16 keys' scores at a time (lanes.h's dots16); per (row, head) the operations and their order are those
- * of the row alone (a 2,000-token prompt's CPU prefill 857-879 -> 727-764 ms on session 25's Xeon, the same bits;
- * with vexp 705-708 ms).
+ * at the end (exp: vexp.h's, vectorised over a row's keys). A row's arithmetic depends on its own query and keys only,
+ * in a fixed order (lanes.h's dot product), so its bits never depend on the rows beside it: a verify row is computed
+ * as the same decode row (invariant 4). Compiled with -ffp-contract=off (see gdn_core.c). For speed, up to ROW_TILE
+ * rows of a request and the query heads of one kv head take each key and value from one load, a request's key
+ * offsets are listed once (no division per key), and scores come 16 keys at a time (lanes.h's dots16); per (row,
+ * head) the operations and their order stay those of the row alone (BENCHMARKS.md, session 25: CPU prefill).
  */
 #include <math.h>
 #include <stdint.h>
@@ -32,13 +31,14 @@
         int64_t o_head, T *scores, int64_t stride, T *m, T *l) {                                                     \
         const int64_t last_keys = first_keys + rows - 1; /* row t sees keys 0 .. first_keys + t - 1 */             \
         for (int64_t i = 0; i < rows * group; i++) m[i] = -INFINITY, l[i] = 0;                                     \
-        int64_t n = 0;                                                                                               \
-        for (; n + 16 <= last_keys; n += 16) { /* 16 keys at a time (lanes.h's dots16: the same sums) */           \
+        for (int64_t n = 0; n < last_keys; n += 16) { /* 16 keys at a time (lanes.h's dots16: each the same sum) */ \
+            const int64_t count = last_keys - n < 16 ? last_keys - n : 16;                                          \
             const T *kp[16];                                                                                         \
             T dots[16];                                                                                              \
-            for (int c = 0; c < 16; c++) kp[c] = keys + at[n + c] + g * D;                                          \
+            for (int c = 0; c < 16; c++) /* past count: the last key again (a real one), its dot unused */        \
+                kp[c] = keys + at[n + (c < count ? c : count - 1)] + g * D;                                         \
             for (int64_t t = n < first_keys ? 0 : n - first_keys + 1; t < rows; t++) {                              \
-                const int64_t seen = first_keys + t - n < 16 ? first_keys + t - n : 16; /* keys of these it sees */  \
+                const int64_t seen = first_keys + t - n < count ? first_keys + t - n : count; /* keys it sees */      \
                 for (int64_t hh = 0, k = t * group; hh < group; hh++, k++) {                                         \
                     dots16_##SUFFIX(q + (row0 + t) * q_tok + (g * group + hh) * q_head, kp, D, dots);                \
                     for (int64_t c = 0; c < seen; c++) {                                                             \
@@ -48,15 +48,6 @@
                     }                                                                                                \
                 }                                                                                                    \
             }                                                                                                        \
-        }                                                                                                            \
-        for (; n < last_keys; n++) {                                                                                 \
-            const T *kn = keys + at[n] + g * D;                                                                      \
-            for (int64_t t = n < first_keys ? 0 : n - first_keys + 1; t < rows; t++)                                \
-                for (int64_t hh = 0, k = t * group; hh < group; hh++, k++) {                                         \
-                    const T s = lane_dot_##SUFFIX(q + (row0 + t) * q_tok + (g * group + hh) * q_head, kn, D) * scale; \
-                    scores[k * stride + n] = s;                                                                      \
-                    m[k] = s > m[k] ? s : m[k];                                                                      \
-                }                                                                                                    \
         }                                                                                                            \
         for (int64_t t = 0; t < rows; t++)                                                                           \
             for (int64_t hh = 0, k = t * group; hh < group; hh++, k++) { /* scores -> exp(s - max), vectorised */  \

@@ -3,8 +3,7 @@
  * projection, q / k norm + RoPE, the KV store, the attention of every request's rows, the sigmoid
  * output gate, o_proj, then the post-attention norm and MLP (mlp_block.c). Each stage is the function that computes
  * it alone (stages.h) on the same rows, strides and order as the stage-by-stage path, so a row's bits are the same on
- * both paths and never depend on the rest of the step (a step with a longer prompt chunk takes the stage-by-stage
- * path, whose long rows go through BLAS). */
+ * both paths and never depend on the rest of the step. */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>

@@ -83,8 +83,8 @@ static inline uint16_t bf16_bits(float x) { uint32_t u; memcpy(&u, &x, sizeof u)
     }
 
 /* ``rows`` rows x one panel (4 x L outputs a row): each output's terms in k order, so its sum is the same whatever
- * block its row is in. 6 rows (24 accumulators) keep the FMA units busier than 4 in long steps (a 512-token CPU
- * prefill 123-125 -> 112-114 ms, 16 decodes 2,602 -> 2,810 tok/s on session 25's Xeon, the same bits). */
+ * block its row is in. Blocks of 6 rows (24 accumulators) keep the FMA units busier than blocks of 4 (BENCHMARKS.md,
+ * session 25: CPU prefill and 16 decodes ~8-9% faster). */
 #define ROW_BLOCK(rows, T, V, SUFFIX, L, LOAD)                                                                    \
     {                                                                                                             \
         V a[rows][4] = {{{0}}};                                                                                   \

@@ -1,10 +1,9 @@
 """The CPU path of a Qwen3.5 decoder layer through compiled calls: a GDN layer whole (cpu_kernels/gdn_layer.py), an
 attention layer whole (cpu_kernels/attention_layer.py), else its post-attention norm and
 MLP (cpu_kernels/mlp_block.py). Each call is built once per layer and kept while the tensors it reads stay the same
-objects, storage and versions (cpu_kernels/build.tensor_key). Whether a layer takes a call depends on its weights and
-dtype (a row's bits must not depend on the rest of its batch); the one step-dependent choice, an attention layer's
-whole call or its stages, runs the same C function per stage either way. None from any function: the stage-by-stage
-path.
+objects, storage and versions (cpu_kernels/build.tensor_key). Whether a layer takes a call depends on its weights,
+dtype and cache, never on what else is in the step (a row's bits must not depend on the rest of its batch); a whole
+call and the stages run the same C function per stage. None from any function: the stage-by-stage path.
 """
 
 from collections.abc import Callable
