@@ -152,11 +152,14 @@ def test_gdn_chunked_is_exactly_gdn_recurrent_where_the_chunk_kernel_cannot_run(
 
 
 def reference_chunk_kernel(q, k, v, g, beta, *, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
-                           cu_seqlens, cu_seqlens_cpu):  # fmt: skip
+                           cu_seqlens, cu_seqlens_cpu, chunk_indices):  # fmt: skip
     """fla's varlen chunk_gated_delta_rule contract ([1, T, H, K] inputs, initial_state [N, HV, K, V] -> o,
-    final_state), computed by gdn_recurrent_ref: scratch slots 0..N-1 hold the initial, N..2N-1 the final states."""
+    final_state; chunk_indices: (sequence, chunk of it) per 64-token chunk, as fla's prepare_chunk_indices), computed
+    by gdn_recurrent_ref: scratch slots 0..N-1 hold the initial, N..2N-1 the final states."""
     assert q.shape[0] == 1 and cu_seqlens.tolist() == cu_seqlens_cpu.tolist() and output_final_state
     n = len(cu_seqlens_cpu) - 1
+    lengths = (cu_seqlens_cpu[1:] - cu_seqlens_cpu[:-1]).tolist()
+    assert chunk_indices.tolist() == [[i, j] for i, length in enumerate(lengths) for j in range((length + 63) // 64)]
     assert initial_state.shape[0] == n and q.dtype == v.dtype == initial_state.dtype == torch.float32
     states = torch.cat([initial_state, torch.zeros_like(initial_state)])
     lens = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
@@ -164,6 +167,40 @@ def reference_chunk_kernel(q, k, v, g, beta, *, scale, initial_state, output_fin
     meta = [cu_seqlens, slots, slots + n, torch.tensor(lens, device=cu_seqlens.device) - 1]
     o = gdn_recurrent_ref(q[0], k[0], v[0], g[0], beta[0], states, *meta, scale, use_qk_l2norm_in_kernel)
     return o[None], states[n:]
+
+
+def test_the_plan_holds_the_step_metadata_in_one_copy(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``ChunkedPlan.of``: every index the chunk kernel's requests need, in one host-to-device copy (the plan's
+    tensors are views of it), for steps of one fresh prompt (its rows a slice, zero states, its last state kept),
+    prompts that continue and keep nothing, and a mix with token-loop requests between them."""
+    copies = []
+    real = chunked_mod._to_device
+    monkeypatch.setattr(chunked_mod, "_to_device", lambda columns, device: copies.append(columns) or real(columns,
+                                                                                                          device))
+    from truespec.ops.state_slots import StateSlots
+
+    def plan(qsl: list[int], src: list[int], dst: list[int], write_start: list[int]) -> chunked_mod.ChunkedPlan:
+        slots = StateSlots(qsl, src, dst, write_start)
+        split = split_requests(qsl, dst, write_start, min_chunk_len=64)
+        return chunked_mod.ChunkedPlan.of(slots, split, torch.device("cpu"))
+
+    fresh = plan([0, 200], [-1], [3], [199])
+    assert fresh.chunked_rows == slice(0, 200) and fresh.recurrent_rows is None and fresh.recurrent_meta is None
+    assert fresh.cu_seqlens.tolist() == [0, 200] and fresh.chunk_indices.tolist() == [[0, j] for j in range(4)]
+    assert fresh.initial.index is None and fresh.kept.tolist() == [0] and fresh.kept_slots.tolist() == [3]
+    both = plan([0, 64, 130], [5, 7], [-1, -1], [0, 0])
+    assert both.initial.index.tolist() == [5, 7] and both.initial.is_zero is None and both.kept is None
+    assert both.chunk_indices.tolist() == [[0, 0], [1, 0], [1, 1]]
+    mixed = plan([0, 100, 101, 301, 303], [-1, 4, 6, 8], [2, 4, 9, 8], [99, 0, 199, 0])
+    assert mixed.split.chunked == [0, 2] and mixed.chunked_rows.tolist() == [*range(100), *range(101, 301)]
+    assert mixed.recurrent_rows.tolist() == [100, 301, 302]
+    assert [t.tolist() for t in mixed.recurrent_meta] == [[0, 1, 3], [4, 8], [4, 8], [0, 0]]
+    assert mixed.initial.index.tolist() == [0, 6] and mixed.initial.is_zero.tolist() == [True, False]
+    assert mixed.kept.tolist() == [0, 1] and mixed.kept_slots.tolist() == [2, 9]
+    assert len(copies) == 3  # one per plan: the tensors are views of it
+    storage = mixed.cu_seqlens.untyped_storage().data_ptr()
+    assert all(t.untyped_storage().data_ptr() == storage for t in (mixed.chunk_indices, mixed.initial.index,
+                                                                    mixed.kept_slots, *mixed.recurrent_meta))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -41,6 +41,7 @@ from truespec.kernels.gdn_recurrent import gdn_recurrent
 from truespec.ops.state_slots import SlotGather, StateSlots
 
 MIN_CHUNK_LEN = 1024  # measured break-even ~800 tokens (bf16) / ~1100 (fp32); never below fla's chunk size, 64
+FLA_CHUNK_SIZE = 64  # fla's chunk length (chunk_gated_delta_rule's default chunk_size)
 MAX_HEAD_K_DIM = 256  # fla's state kernel (chunk_gated_delta_rule_fwd_h) asserts head_k_dim <= 256
 
 
@@ -88,11 +89,11 @@ def split_requests(
     return RequestSplit(chunked, recurrent)
 
 
-def _token_rows(qsl: list[int], reqs: list[int], device: torch.device) -> slice | torch.Tensor:
-    """Token rows of ``reqs`` in order: a slice when they are one contiguous run (a view, no copy)."""
+def _token_rows(qsl: list[int], reqs: list[int]) -> slice | list[int]:
+    """Token rows of ``reqs`` in order: a slice when they are one contiguous run (a view, no copy), else a list."""
     if all(qsl[a + 1] == qsl[b] for a, b in zip(reqs, reqs[1:], strict=False)):
         return slice(qsl[reqs[0]], qsl[reqs[-1] + 1])
-    return torch.cat([torch.arange(qsl[r], qsl[r + 1]) for r in reqs]).to(device)
+    return [t for r in reqs for t in range(qsl[r], qsl[r + 1])]
 
 
 def _sub_start_loc(qsl: list[int], reqs: list[int]) -> list[int]:
@@ -103,13 +104,29 @@ def _sub_start_loc(qsl: list[int], reqs: list[int]) -> list[int]:
     return starts
 
 
+def chunk_indices(cu_seqlens: list[int], chunk_size: int = FLA_CHUNK_SIZE) -> list[int]:
+    """fla's ``chunk_indices`` flattened: (sequence, chunk of it) for each ``chunk_size``-token chunk, in order (what
+    ``fla.ops.utils.index.prepare_chunk_indices`` computes, and copies to the device, when not given them)."""
+    return [x for i, (a, b) in enumerate(zip(cu_seqlens, cu_seqlens[1:], strict=False))
+            for j in range(-(-(b - a) // chunk_size)) for x in (i, j)]  # fmt: skip
+
+
+def _to_device(columns: list[list[int]], device: torch.device) -> list[torch.Tensor]:
+    """int64 ``columns`` on ``device`` in one copy; on CUDA from pinned memory, asynchronously: a copy from pageable
+    host memory waits for everything queued on the GPU before it (one such wait in an 8K prefill kept the host from
+    queueing it behind the previous step)."""
+    host = torch.tensor([x for column in columns for x in column], dtype=torch.int64)
+    if device.type == "cuda":
+        host = host.pin_memory()
+    return list(host.to(device, non_blocking=True).split([len(c) for c in columns]))
+
+
 @dataclass(frozen=True)
 class ChunkedPlan:
-    """What ``gdn_chunked`` derives from a step's host metadata, as device tensors built once. Every GDN layer of a
-    step has the same metadata, so the layer keeps one plan per step (``plan_cache``): from the second layer on no
-    index is copied from the host (a copy from pageable host memory waits for the GPU's queue: 4 such waits a layer
-    left the host launching an 8K prefill's kernels behind an idle GPU), and fla, which caches its chunk indices by
-    the identity of ``cu_seqlens``, computes them once a step."""
+    """What ``gdn_chunked`` derives from a step's host metadata, as device tensors built once, in one asynchronous
+    copy (``_to_device``). Every GDN layer of a step has the same metadata, so the layer keeps one plan per step
+    (``plan_cache``): from the second layer on nothing is copied from the host. fla gets its chunk indices from the
+    plan too (else it would build and copy them itself, waiting for the GPU)."""
 
     split: RequestSplit
     recurrent_rows: slice | torch.Tensor | None  # the token loop's rows and packed metadata (None: no such request)
@@ -117,34 +134,42 @@ class ChunkedPlan:
     chunked_rows: slice | torch.Tensor | None  # the chunk kernel's rows (None: no such request)
     cu_seqlens: torch.Tensor | None  # [C + 1] on the device, and its host twin
     cu_seqlens_cpu: torch.Tensor | None
+    chunk_indices: torch.Tensor | None  # [num_chunks, 2] on the device: fla's (sequence, chunk) of each chunk
     initial: SlotGather | None  # the chunked requests' starting states
     kept: torch.Tensor | None  # [N] indices into the chunk kernel's final states that are kept ...
     kept_slots: torch.Tensor | None  # ... and the slots that keep them (None: none kept)
 
     @classmethod
     def of(cls, slots: StateSlots, split: RequestSplit, device: torch.device) -> "ChunkedPlan":
-        qsl, chunked = slots.query_start_loc, split.chunked
+        qsl, chunked, recurrent = slots.query_start_loc, split.chunked, split.recurrent
         if not chunked:
-            return cls(split, *[None] * 8)
-        recurrent = split.recurrent
-        rows = _token_rows(qsl, recurrent, device) if recurrent else None
-        meta = _sub_batch(slots, recurrent, device) if recurrent else None
-        cu_seqlens = torch.tensor(_sub_start_loc(qsl, chunked), dtype=torch.int64)
-        src = SlotGather.of([slots.state_src[r] for r in chunked])
-        initial = SlotGather(*(None if t is None else t.to(device) for t in (src.index, src.is_zero)), src.num_rows)
+            return cls(split, *[None] * 9)
+        columns: dict[str, list[int]] = {}  # what goes to the device, by name
+        rows = {"chunked_rows": _token_rows(qsl, chunked)}
+        if recurrent:
+            rows["recurrent_rows"] = _token_rows(qsl, recurrent)
+            meta = [_sub_start_loc(qsl, recurrent)] + [[x[r] for r in recurrent] for x in (
+                slots.state_src, slots.state_dst, slots.state_write_start)]  # fmt: skip
+            columns |= {f"meta{i}": column for i, column in enumerate(meta)}
+        columns |= {name: r for name, r in rows.items() if isinstance(r, list)}
+        cu_seqlens = _sub_start_loc(qsl, chunked)
+        columns |= {"cu_seqlens": cu_seqlens, "chunk_indices": chunk_indices(cu_seqlens)}
+        src = [slots.state_src[r] for r in chunked]
+        if any(s >= 0 for s in src):
+            columns["index"] = [max(s, 0) for s in src]
+            if min(src) < 0:
+                columns["is_zero"] = [s < 0 for s in src]
         last_slots = [slots.kept_slot(r, slots.query_len(r) - 1) for r in chunked]
         kept = [i for i, slot in enumerate(last_slots) if slot is not None]
-        kept_t, kept_slots = ((torch.tensor(x, dtype=torch.int64, device=device) for x in
-                               (kept, [last_slots[i] for i in kept])) if kept else (None, None))  # fmt: skip
-        return cls(split, rows, meta, _token_rows(qsl, chunked, device), cu_seqlens.to(device), cu_seqlens, initial,
-                   kept_t, kept_slots)
-
-
-def _sub_batch(slots: StateSlots, reqs: list[int], device: torch.device) -> list[torch.Tensor]:
-    """(query_start_loc, state_src, state_dst, state_write_start) of ``reqs`` with their tokens packed."""
-    per_request = [[x[r] for r in reqs] for x in (slots.state_src, slots.state_dst, slots.state_write_start)]
-    columns = [_sub_start_loc(slots.query_start_loc, reqs), *per_request]
-    return [torch.tensor(c, dtype=torch.int64, device=device) for c in columns]
+        if kept:
+            columns |= {"kept": kept, "kept_slots": [last_slots[i] for i in kept]}
+        dev = dict(zip(columns, _to_device(list(columns.values()), device), strict=True))
+        rows = {name: dev.get(name, r) for name, r in rows.items()}
+        is_zero = dev["is_zero"].bool() if "is_zero" in dev else None
+        return cls(split, rows.get("recurrent_rows"), [dev[f"meta{i}"] for i in range(4)] if recurrent else None,
+                   rows["chunked_rows"], dev["cu_seqlens"], torch.tensor(cu_seqlens, dtype=torch.int64),
+                   dev["chunk_indices"].view(-1, 2), SlotGather(dev.get("index"), is_zero, len(chunked)),
+                   dev.get("kept"), dev.get("kept_slots"))  # fmt: skip
 
 
 @torch.no_grad()
@@ -210,7 +235,7 @@ def gdn_chunked(
     o, final = kernel(
         *(x[rows][None].to(cdt) for x in (q, k, v, g, beta)), scale=q.shape[-1] ** -0.5 if scale is None else scale,
         initial_state=initial, output_final_state=True, use_qk_l2norm_in_kernel=use_qk_l2norm,
-        cu_seqlens=plan.cu_seqlens, cu_seqlens_cpu=plan.cu_seqlens_cpu,
+        cu_seqlens=plan.cu_seqlens, cu_seqlens_cpu=plan.cu_seqlens_cpu, chunk_indices=plan.chunk_indices,
     )  # fmt: skip
     out[rows] = o[0].to(out.dtype)
     if plan.kept is not None:  # final[i]: chunked request i's state after its last token, kept where the protocol says

@@ -76,6 +76,6 @@ class SlotGather:
         if self.index is None:
             return torch.zeros(self.num_rows, *states.shape[1:], dtype=states.dtype, device=states.device)
         gathered = states.index_select(0, self.index.to(states.device))
-        if self.is_zero is not None:
-            gathered[self.is_zero.to(states.device)] = 0
+        if self.is_zero is not None:  # masked_fill_, not a boolean index: that would read the mask on the host
+            gathered.masked_fill_(self.is_zero.to(states.device).view(-1, *[1] * (gathered.dim() - 1)), 0)
         return gathered
