@@ -18,9 +18,12 @@ if not torch.cuda.is_available():
 
 pytest.importorskip("triton")
 
+from truespec.forward_context import set_forward_context  # noqa: E402
 from truespec.kernels import gdn_chunked as chunked_mod  # noqa: E402
+from truespec.kernels import gdn_chunked_plan as plan_mod  # noqa: E402
 from truespec.kernels import gdn_recurrent, gdn_recurrent_ref  # noqa: E402
-from truespec.kernels.gdn_chunked import gdn_chunked, is_available, split_requests  # noqa: E402
+from truespec.kernels.gdn_chunked import gdn_chunked, is_available  # noqa: E402
+from truespec.kernels.gdn_chunked_plan import split_requests  # noqa: E402
 from truespec.ops.precision import compute_dtype  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -174,15 +177,15 @@ def test_the_plan_holds_the_step_metadata_in_one_copy(monkeypatch: pytest.Monkey
     tensors are views of it), for steps of one fresh prompt (its rows a slice, zero states, its last state kept),
     prompts that continue and keep nothing, and a mix with token-loop requests between them."""
     copies = []
-    real = chunked_mod._to_device
-    monkeypatch.setattr(chunked_mod, "_to_device", lambda columns, device: copies.append(columns) or real(columns,
+    real = plan_mod._to_device
+    monkeypatch.setattr(plan_mod, "_to_device", lambda columns, device: copies.append(columns) or real(columns,
                                                                                                           device))
     from truespec.ops.state_slots import StateSlots
 
-    def plan(qsl: list[int], src: list[int], dst: list[int], write_start: list[int]) -> chunked_mod.ChunkedPlan:
+    def plan(qsl: list[int], src: list[int], dst: list[int], write_start: list[int]) -> plan_mod.ChunkedPlan:
         slots = StateSlots(qsl, src, dst, write_start)
         split = split_requests(qsl, dst, write_start, min_chunk_len=64)
-        return chunked_mod.ChunkedPlan.of(slots, split, torch.device("cpu"))
+        return plan_mod.ChunkedPlan.of(slots, split, torch.device("cpu"))
 
     fresh = plan([0, 200], [-1], [3], [199])
     assert fresh.chunked_rows == slice(0, 200) and fresh.recurrent_rows is None and fresh.recurrent_meta is None
@@ -279,14 +282,14 @@ def test_the_layers_of_a_step_share_one_plan_and_compute_as_without_it(monkeypat
     only, the next layers hand fla the very same cu_seqlens objects (fla caches its chunk indices by identity), and
     every layer's outputs and states are bitwise those of a call without the cache."""
     seen, built = [], []
-    real_of = chunked_mod.ChunkedPlan.of
+    real_of = plan_mod.ChunkedPlan.of
 
     def recording_kernel(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202 - fla's signature
         seen.append((kwargs["cu_seqlens"], kwargs["cu_seqlens_cpu"]))
         return reference_chunk_kernel(*args, **kwargs)
 
     monkeypatch.setattr(chunked_mod, "_chunk_kernel", lambda: recording_kernel)
-    monkeypatch.setattr(chunked_mod.ChunkedPlan, "of", lambda *a: built.append(a) or real_of(*a))
+    monkeypatch.setattr(plan_mod.ChunkedPlan, "of", lambda *a: built.append(a) or real_of(*a))
     rows = mixed_rows(random.Random(5), long=(8, 14), short_max=7)
     cache: dict = {}
     for layer in range(3):
@@ -317,6 +320,50 @@ def test_the_layer_follows_the_rule_flags_instead_of_the_chunk_length(monkeypatc
     assert [uses_fla(2000, None), uses_fla(1000, None), uses_fla(2000, False), uses_fla(5, True)] == \
         [True, False, False, True]
     assert not uses_fla(5, True, torch.float32) and not uses_fla(2000, None, torch.float64)
+
+
+@torch.no_grad()
+def test_the_layer_normalises_the_chunk_kernels_q_and_k_in_its_conv(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bf16 GDN layer's step with a flagged prompt chunk beside a decode: the conv hands the chunk kernel its rows'
+    q and k L2-normalised (unit heads; fla asked not to normalise again), the decode's rows the plain values, and the
+    layer's output and states agree with the token loop's for every request (the decode's bit for bit)."""
+    from truespec.layers.gdn import GatedDeltaNet
+    from truespec.worker.input_builder import ContextRow, build_forward_context
+
+    calls = []
+
+    def recording_kernel(q, k, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202 - fla's signature
+        calls.append((q, k, kwargs["use_qk_l2norm_in_kernel"]))
+        return reference_chunk_kernel(q, k, *args, **kwargs)
+
+    monkeypatch.setattr(chunked_mod, "_chunk_kernel", lambda: recording_kernel)
+    monkeypatch.setattr(chunked_mod, "is_available", lambda: True)  # as if fla ran here (on CUDA, not capturing)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    gen = torch.Generator().manual_seed(11)
+    layer = GatedDeltaNet(32, 2, 4, 8, 12, 4, 1e-6, "silu").to(torch.bfloat16)
+    for param in layer.parameters():
+        param.copy_(torch.randn(param.shape, generator=gen) * param.shape[-1] ** -0.5)
+    conv_state = torch.randn(8, layer.conv_dim, 3, generator=gen).to(torch.bfloat16)
+    ssm_state = torch.randn(8, 4, 8, 12, generator=gen) * 0.3
+    rows = [ContextRow(list(range(5)), 0, 70, -1, 2, 69, 1, 70, True), ContextRow([5], 5, 1, 5, 5, 0, 1, 0, False)]
+    x = torch.randn(71, 32, generator=gen).to(torch.bfloat16)
+    outs, states = [], []
+    for fused in (True, False):
+        layer.conv_state, layer.ssm_state = conv_state.clone(), ssm_state.clone()
+        ctx = build_forward_context(rows if fused else [ContextRow(*[getattr(r, f) for f in (
+            "block_ids", "start", "query_len", "state_src", "state_dst", "write_start", "num_logits",
+            "num_prompt_rows")], False) for r in rows], 16, torch.device("cpu"))  # fmt: skip
+        with set_forward_context(ctx):
+            outs.append(layer._forward_kernels(x, ctx))
+        states.append((layer.conv_state, layer.ssm_state))
+    (q, k, use_l2norm), = calls
+    assert not use_l2norm
+    for t in (q, k):  # unit heads (a head of small norm a little shorter: the 1e-6 added to its squared norm)
+        torch.testing.assert_close(t.norm(dim=-1), torch.ones(t.shape[:-1]), rtol=0, atol=1e-4)
+    assert torch.equal(outs[0][70], outs[1][70]) and torch.equal(states[0][1][5], states[1][1][5])
+    torch.testing.assert_close(outs[0][:70], outs[1][:70], rtol=0.02, atol=0.02)
+    torch.testing.assert_close(states[0][1][2], states[1][1][2], rtol=1e-3, atol=1e-3)
+    assert torch.equal(states[0][0], states[1][0])  # conv windows: copies of inputs
 
 
 # ----------------------------------------------------------------------------------------------------- GPU

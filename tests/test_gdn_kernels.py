@@ -248,6 +248,41 @@ def test_causal_conv1d_split_output_holds_the_same_values(dtype: torch.dtype, wi
         causal_conv1d(x, weight, conv_state, *args, split=(20, 20, 1))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("block_c", [8, 16])  # a tile of one head / of two
+def test_causal_conv1d_normalises_the_flagged_requests_q_and_k_heads(dtype: torch.dtype, block_c: int) -> None:
+    """``l2norm_rows``: the flagged requests' q and k heads (8 channels each here) come as fla's l2norm of the plain
+    split output (x / sqrt(sum x^2 + 1e-6) in fp32: close, as another sum order); everything else, v and the
+    windows included, bit for bit as without it. Requests of tiles of 8 rows straddle flagged and unflagged ones."""
+    gen = torch.Generator().manual_seed(7)
+    rows = [(1, 5, 1, 0), (20, -1, 13, 19), (4, 3, 4, 0), (19, 18, 17, 18), (2, -1, 20, 1)]
+    flags = [0, 1, 0, 1, 1]
+    widths, head = (16, 16, 8), 8
+    batch = state_batch(rows)
+    num_tokens = batch["query_start_loc"][-1].item() + NUM_PAD_TOKENS
+    x = randn(num_tokens, 40, dtype=dtype, gen=gen)
+    weight = randn(40, 1, 4, dtype=dtype, gen=gen)
+    conv_state = randn(NUM_SLOTS, 40, 3, dtype=dtype, gen=gen)
+    args = (batch["query_start_loc"], batch["state_src"], batch["state_dst"], batch["state_write_start"])
+    plain_state, state = conv_state.clone(), conv_state.clone()
+    kwargs = {"block_t": 8, "block_c": block_c, "split": widths, "out_dtype": torch.float32}
+    plain = causal_conv1d(x, weight, plain_state, *args, **kwargs)
+    with poisoned_empty():
+        normed = causal_conv1d(x, weight, state, *args, **kwargs, l2norm_rows=i64(flags), l2norm_head_dim=head)
+    assert torch.equal(state, plain_state) and torch.equal(normed[2], plain[2])
+    qsl = batch["query_start_loc"].tolist()
+    flagged = torch.zeros(num_tokens, dtype=torch.bool)
+    for r, flag in enumerate(flags):
+        flagged[qsl[r]:qsl[r + 1]] = bool(flag)
+    for got, raw in zip(normed[:2], plain[:2], strict=True):
+        heads = raw.view(num_tokens, -1, head)
+        expected = (heads / torch.sqrt((heads * heads).sum(-1, keepdim=True) + 1e-6)).view(num_tokens, -1)
+        assert torch.equal(got[~flagged], raw[~flagged])
+        torch.testing.assert_close(got[flagged], expected[flagged], rtol=1e-6, atol=1e-7)
+    with pytest.raises(ValueError, match="power-of-two head dim"):
+        causal_conv1d(x, weight, state, *args, **kwargs, l2norm_rows=i64(flags), l2norm_head_dim=6)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_conv_window_gather_is_index_select_where_a_source_exists(dtype: torch.dtype) -> None:
     """gather_windows copies slot state_src[r] bit for bit, from a strided state too (a view of wider slots),

@@ -50,7 +50,7 @@ class ForwardContext:
     # every row of this (eager, unpadded) step is a prompt row: the split-KV kernel need not launch at all
     is_prompt_only: bool = False
     # What layers derive from the metadata once per forward and share (the CPU path's ops/gdn_batched.StepRows and
-    # ops/attention_rows.StepAttentionRows, an eager GPU prefill's kernels/gdn_chunked.ChunkedPlan);
+    # ops/attention_rows.StepAttentionRows, an eager GPU prefill's kernels/gdn_chunked_plan.ChunkedPlan);
     # emptied whenever the context is set, since a reused context's tensors may have moved in place.
     host_cache: dict[str, Any] = field(default_factory=dict)
 

@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from truespec.kernels.triton_utils import find_requests, reduce_max, reduce_min, tl_compute_dtype
+from truespec.kernels.triton_utils import find_requests, reduce_max, reduce_min, reduce_sum, tl_compute_dtype
 
 SMALL_STEP_TOKENS = 256  # up to this many rows (decode / verify steps, graph sizes) one row a program; tiles above
 
@@ -100,6 +100,7 @@ def _causal_conv1d_kernel(
     stride_cs_c,
     split_1,  # SPLIT: channels [0, split_1), [split_1, split_2), [split_2, C) go to three [T, width] blocks of out
     split_2,
+    l2norm_rows_ptr,  # [R], L2NORM: nonzero for the requests whose q / k are normalised
     C: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_C: tl.constexpr,
@@ -108,6 +109,9 @@ def _causal_conv1d_kernel(
     ACC_DTYPE: tl.constexpr,
     SPLIT: tl.constexpr,
     PLAIN_TILES: tl.constexpr,
+    L2NORM: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    L2NORM_EPS: tl.constexpr,
 ):
     tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BLOCK_T] packed rows, of any requests
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -148,6 +152,13 @@ def _causal_conv1d_kernel(
     if APPLY_SILU:
         y = y / (1.0 + tl.exp(-y))
     y = tl.where(is_valid[:, None], y, 0.0).to(x_ptr.dtype.element_ty)  # the x-dtype value, whatever out's dtype
+    if L2NORM:  # the flagged requests' q / k heads (channels below split_2), L2-normalised as fla's l2norm, in fp32
+        y = y.to(tl.float32)
+        heads = tl.reshape(y, [BLOCK_T, BLOCK_C // HEAD_DIM, HEAD_DIM])  # tiles start on head boundaries
+        rstd = 1 / tl.sqrt(reduce_sum(heads * heads, 2) + L2NORM_EPS)
+        normed = tl.reshape(heads * rstd[:, :, None], [BLOCK_T, BLOCK_C])
+        is_normed = (tl.load(l2norm_rows_ptr + r) != 0) & is_valid
+        y = tl.where(is_normed[:, None] & (c < split_2)[None, :], normed, y)
     out_mask = (tokens < num_tokens)[:, None] & c_mask[None, :]
     if SPLIT:  # channel c of block b at [num_tokens * start_b] + token * width_b + (c - start_b)
         in_2, in_3 = c >= split_1, c >= split_2
@@ -175,13 +186,17 @@ def causal_conv1d(
     split: tuple[int, int, int] | None = None,
     out_dtype: torch.dtype | None = None,
     plain_tiles: bool | None = None,
+    l2norm_rows: torch.Tensor | None = None,
+    l2norm_head_dim: int = 0,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Conv + activation of x [T, C] with weight [C, K] (or nn.Conv1d's [C, 1, K]); updates ``conv_state``
     [num_slots, C, K-1] in place. Returns [T, C] in x's dtype (rows past query_start_loc[R], a graph's
     padding: zeros), or with ``split`` (three widths summing to C) three contiguous [T, width] tensors holding the
     same values, in ``out_dtype`` (default x's; a wider one holds the x-dtype values exactly). ``plain_tiles``: tiles
     inside one request's prompt take a branch without window reads or stores (the same bits; None: for steps of more
-    than SMALL_STEP_TOKENS rows)."""
+    than SMALL_STEP_TOKENS rows). ``l2norm_rows`` ([R], with ``split``): the q and k blocks of the requests it flags
+    (nonzero) come L2-normalised per head of ``l2norm_head_dim`` channels (a power of two dividing the q / k widths),
+    ``x / sqrt(sum x^2 + 1e-6)`` in fp32 as fla's l2norm, for fla's chunk kernel; every other value is as without it."""
     num_tokens, channels = x.shape
     weight = weight.reshape(channels, -1).contiguous()
     kernel = weight.shape[1]
@@ -191,6 +206,10 @@ def causal_conv1d(
         raise ValueError(f"causal_conv1d supports activation 'silu' or None, got {activation!r}")
     if split is not None and (len(split) != 3 or sum(split) != channels or min(split) <= 0):
         raise ValueError(f"split {split} must be three positive widths summing to the {channels} channels")
+    if l2norm_rows is not None and (split is None or l2norm_head_dim <= 0 or l2norm_head_dim & (l2norm_head_dim - 1)
+                                    or split[0] % l2norm_head_dim or split[1] % l2norm_head_dim):
+        raise ValueError(f"l2norm_rows needs split and a power-of-two head dim dividing the q / k widths, got "
+                         f"split={split}, l2norm_head_dim={l2norm_head_dim}")
     out = torch.empty(num_tokens * channels, dtype=out_dtype or x.dtype, device=x.device)
     if split is None:
         out = out.view(num_tokens, channels)
@@ -199,7 +218,7 @@ def causal_conv1d(
         out.zero_()
     else:
         _launch(out, x, weight, conv_state, (query_start_loc, state_src, state_dst, state_write_start), activation,
-                block_t, block_c, num_warps, split, plain_tiles)
+                block_t, block_c, num_warps, split, plain_tiles, l2norm_rows, l2norm_head_dim)
     if split is None:
         return out
     parts = out.split([num_tokens * width for width in split])
@@ -208,7 +227,8 @@ def causal_conv1d(
 
 def _launch(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor,
             meta: tuple[torch.Tensor, ...], activation: str | None, block_t: int | None, block_c: int | None,
-            num_warps: int, split: tuple[int, int, int] | None, plain_tiles: bool | None) -> None:  # fmt: skip
+            num_warps: int, split: tuple[int, int, int] | None, plain_tiles: bool | None,
+            l2norm_rows: torch.Tensor | None = None, head_dim: int = 0) -> None:  # fmt: skip
     num_tokens, channels = x.shape
     query_start_loc, state_src, state_dst, state_write_start = meta
     num_reqs = state_src.shape[0]
@@ -217,6 +237,8 @@ def _launch(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, conv_state
         block_t = 1 if num_tokens <= SMALL_STEP_TOKENS else 4
     if block_c is None:
         block_c = 256
+    if l2norm_rows is not None:  # a tile holds whole heads (both powers of two)
+        block_c = max(block_c, head_dim)
     if plain_tiles is None:  # long steps: the branch for tiles inside a prompt (H200, 8K rows: 240 -> 164 us)
         plain_tiles = num_tokens > SMALL_STEP_TOKENS
     grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(channels, block_c))
@@ -224,6 +246,8 @@ def _launch(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, conv_state
     _causal_conv1d_kernel[grid](
         out, x, weight, init, conv_state, query_start_loc, state_src, state_dst, state_write_start, num_tokens,
         num_reqs, x.stride(0), channels, conv_state.stride(0), conv_state.stride(1), split_1, split_2,
+        l2norm_rows if l2norm_rows is not None else state_src,
         C=channels, BLOCK_T=block_t, BLOCK_C=block_c, K=weight.shape[1], APPLY_SILU=activation is not None,
-        ACC_DTYPE=tl_compute_dtype(x.dtype), SPLIT=split is not None, PLAIN_TILES=plain_tiles, num_warps=num_warps,
+        ACC_DTYPE=tl_compute_dtype(x.dtype), SPLIT=split is not None, PLAIN_TILES=plain_tiles,
+        L2NORM=l2norm_rows is not None, HEAD_DIM=max(head_dim, 1), L2NORM_EPS=1e-6, num_warps=num_warps,
     )  # fmt: skip

@@ -146,17 +146,21 @@ class GatedDeltaNet(nn.Module):
         meta = (ctx.query_start_loc, ctx.state_src, ctx.state_dst, ctx.state_write_start)
         mixed_qkv, z, b, a = self.in_proj.split(self.in_proj(x))
         conv = (mixed_qkv, self.conv1d.weight, self.conv_state, *meta, self.hidden_act)
-        if _use_chunked_prefill(x, ctx):  # q, k, v contiguous in fla's fp32, holding the model-dtype values
+        if _use_chunked_prefill(x, ctx):  # q, k, v contiguous in fla's fp32, holding the model-dtype values ...
+            src, dst, write_start = ctx.state_cpu
+            host = {"query_start_loc_cpu": ctx.query_start_loc_cpu, "state_src_cpu": src, "state_dst_cpu": dst,
+                    "state_write_start_cpu": write_start, "is_chunked_cpu": ctx.gdn_chunked_cpu,
+                    "plan_cache": ctx.host_cache}
+            plan = k_ops.gdn_chunked.step_plan(self.ssm_state, self.head_k_dim, *meta, **host)
+            # ... and the chunk kernel's requests' q / k L2-normalised by the conv, not by fla (two launches fewer)
+            normalise = plan.chunked_flags if self.head_k_dim & (self.head_k_dim - 1) == 0 else None
             q, k, v = k_ops.causal_conv1d(*conv, split=(self.key_dim, self.key_dim, self.value_dim),
-                                          out_dtype=self.ssm_state.dtype)  # fmt: skip
+                                          out_dtype=self.ssm_state.dtype, l2norm_rows=normalise,
+                                          l2norm_head_dim=self.head_k_dim)  # fmt: skip
             q, k, v = self._heads(q, k, v)
             g, beta = k_ops.gdn_gating(a, b, self.A_log, self.dt_bias)  # fla's kernel takes the gates as tensors
-            src, dst, write_start = ctx.state_cpu
-            core = k_ops.gdn_chunked.gdn_chunked(
-                q, k, v, g, beta, self.ssm_state, *meta, query_start_loc_cpu=ctx.query_start_loc_cpu,
-                state_src_cpu=src, state_dst_cpu=dst, state_write_start_cpu=write_start,
-                is_chunked_cpu=ctx.gdn_chunked_cpu, plan_cache=ctx.host_cache, model_dtype=x.dtype,
-            )  # fmt: skip
+            core = k_ops.gdn_chunked.gdn_chunked(q, k, v, g, beta, self.ssm_state, *meta, **host, model_dtype=x.dtype,
+                                                 qk_normalized=normalise is not None)  # fmt: skip
         else:  # the gates are computed inside the recurrent kernel (bitwise as gdn_gating): one launch fewer
             q, k, v = self._split_heads(k_ops.causal_conv1d(*conv))
             gates = k_ops.GateInputs(a, b, self.A_log, self.dt_bias)
