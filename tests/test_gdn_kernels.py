@@ -290,6 +290,32 @@ def test_causal_conv1d_normalises_the_flagged_requests_q_and_k_heads(dtype: torc
                       l2norm_rows=i64([1]), l2norm_head_dim=6)
 
 
+def check_l2norm_rows_do_not_depend_on_the_step(dtype: torch.dtype, widths: tuple, head: int, query_len: int,
+                                                 other_len: int) -> None:
+    """A fresh prompt chunk's normalised q / k rows are the same bits alone in a short step (<= SMALL_STEP_TOKENS
+    rows) as behind another request's ``other_len`` rows in a long one (other tiles, other row offsets): a prompt's
+    tokens may not depend on the token budget that cut it (tests/test_gpu_gdn_prefill_rule.py)."""
+    gen = torch.Generator().manual_seed(11)
+    channels = sum(widths)
+    mine, other = randn(query_len, channels, dtype=dtype, gen=gen), randn(other_len, channels, dtype=dtype, gen=gen)
+    weight = randn(channels, 1, 4, dtype=dtype, gen=gen)
+    outs = []
+    for x, rows in ((mine, [(query_len, -1, 0, query_len - 1)]),
+                    (torch.cat([other, mine]), [(other_len, -1, 4, other_len - 1), (query_len, -1, 0, query_len - 1)])):
+        batch = state_batch(rows)
+        args = (batch["query_start_loc"], batch["state_src"], batch["state_dst"], batch["state_write_start"])
+        state = torch.zeros(NUM_SLOTS, channels, 3, dtype=dtype, device=DEVICE)
+        q, k, _ = causal_conv1d(x, weight, state, *args, split=widths, out_dtype=torch.float32,
+                                l2norm_rows=i64([1] * len(rows)), l2norm_head_dim=head)  # fmt: skip
+        outs.append((q[-query_len:], k[-query_len:]))
+    assert all(torch.equal(a, b) for a, b in zip(*outs, strict=True))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_causal_conv1d_l2norm_rows_do_not_depend_on_the_step(dtype: torch.dtype) -> None:
+    check_l2norm_rows_do_not_depend_on_the_step(dtype, (16, 16, 8), 8, query_len=30, other_len=251)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_conv_window_gather_is_index_select_where_a_source_exists(dtype: torch.dtype) -> None:
     """gather_windows copies slot state_src[r] bit for bit, from a strided state too (a view of wider slots),
@@ -337,3 +363,4 @@ def test_gpu_gdn_kernels_at_qwen3_5_size(dtype: torch.dtype) -> None:
     check_causal_conv1d(dtype, rows, channels=6144, kernel=4, block_c=128, tol_scale=GPU_TOL_SCALE)
     long_rows = [(1, 2, 0, 0), (700, -1, 8, 699), (3, 13, -1, 0), (300, 21, 20, 299)]  # the plain tiles' steps
     check_l2norm_rows(dtype, long_rows, [0, 1, 0, 1], (2048, 2048, 2048), 128, tol_scale=GPU_TOL_SCALE)
+    check_l2norm_rows_do_not_depend_on_the_step(dtype, (2048, 2048, 2048), 128, query_len=200, other_len=1001)

@@ -196,7 +196,8 @@ def causal_conv1d(
     inside one request's prompt take a branch without window reads or stores (the same bits; None: for steps of more
     than SMALL_STEP_TOKENS rows). ``l2norm_rows`` ([R], with ``split``): the q and k blocks of the requests it flags
     (nonzero) come L2-normalised per head of ``l2norm_head_dim`` channels (a power of two dividing the q / k widths),
-    ``x / sqrt(sum x^2 + 1e-6)`` in fp32 as fla's l2norm, for fla's chunk kernel; every other value is as without it."""
+    ``x / sqrt(sum x^2 + 1e-6)`` in fp32 as fla's l2norm, for fla's chunk kernel, the same bits in any step (one tiling
+    for every step size); every other value is as without it."""
     num_tokens, channels = x.shape
     weight = weight.reshape(channels, -1).contiguous()
     kernel = weight.shape[1]
@@ -233,14 +234,17 @@ def _launch(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, conv_state
     query_start_loc, state_src, state_dst, state_write_start = meta
     num_reqs = state_src.shape[0]
     init = gather_windows(conv_state, state_src)  # [R, C, K-1]: every read before the kernel's writes
+    long_step = num_tokens > SMALL_STEP_TOKENS
+    if l2norm_rows is not None:  # one tiling for every step: a Triton sum's order follows its block's layout, so a
+        long_step = True  # row's norm would depend on the step's size (and a prompt's tokens on the token budget)
     if block_t is None:  # decode / verify steps keep the row-per-program launch measured fastest for them
-        block_t = 1 if num_tokens <= SMALL_STEP_TOKENS else 4
+        block_t = 4 if long_step else 1
     if block_c is None:
         block_c = 256
     if l2norm_rows is not None:  # a tile holds whole heads (both powers of two)
         block_c = max(block_c, head_dim)
     if plain_tiles is None:  # long steps: the branch for tiles inside a prompt (H200, 8K rows: 240 -> 164 us)
-        plain_tiles = num_tokens > SMALL_STEP_TOKENS
+        plain_tiles = long_step
     grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(channels, block_c))
     split_1, split_2 = (0, 0) if split is None else (split[0], split[0] + split[1])
     _causal_conv1d_kernel[grid](
