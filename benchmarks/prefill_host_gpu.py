@@ -3,12 +3,15 @@ bound it. Each run sends one fresh random prompt (greedy, one output token, pref
 model's forward: the host's time to return from it (its launches; no sync after) and the GPU's time between events
 around it. Odd runs queue a ~0.3 s sleep kernel first, so the GPU's time is the kernels' alone (no wait for the
 host); if the host's time then includes the sleep, the forward waits for the GPU somewhere (a sync, or a copy
-from pageable host memory).
+from pageable host memory). ``--profile N``: one more GPU-ahead run under cProfile, its N most costly functions by
+own time and by cumulative time (where the host's time goes).
 
-    python3 benchmarks/prefill_host_gpu.py --model /tmp/qwen35-0.8b-shape [--length 8192] [--runs 8]
+    python3 benchmarks/prefill_host_gpu.py --model /tmp/qwen35-0.8b-shape [--length 8192] [--runs 8] [--profile 40]
 """
 
 import argparse
+import cProfile
+import pstats
 import time
 
 import torch
@@ -22,12 +25,13 @@ def main() -> None:
     parser.add_argument("--model", required=True)
     parser.add_argument("--length", type=int, default=8192)
     parser.add_argument("--runs", type=int, default=8)
+    parser.add_argument("--profile", type=int, default=0, help="then profile one run's forward: print N functions")
     args = parser.parse_args()
     llm = LLM(args.model, dtype="bfloat16", device="cuda", max_model_len=args.length + 600, max_num_seqs=9,
               enable_prefix_caching=False)  # fmt: skip
     params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     model = llm.llm_engine.runner.model
-    forward, state = model.forward, {"gpu_ahead": False, "marks": []}
+    forward, state = model.forward, {"gpu_ahead": False, "marks": [], "profiler": None}
 
     def timed_forward(*a, **k):  # noqa: ANN002, ANN003, ANN202 - the model's own signature
         torch.cuda.synchronize()
@@ -36,7 +40,11 @@ def main() -> None:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         t0 = time.perf_counter()
+        if state["profiler"] is not None:
+            state["profiler"].enable()
         out = forward(*a, **k)
+        if state["profiler"] is not None:
+            state["profiler"].disable()
         t1 = time.perf_counter()
         end.record()
         torch.cuda.synchronize()
@@ -50,6 +58,12 @@ def main() -> None:
         llm.generate(random_prompts(llm.llm_engine.vocab_size, 1, args.length, seed=50 + i), params, use_tqdm=False)
         label = "GPU ahead" if state["gpu_ahead"] else "plain"
         print(f"run {i} {label:9}: " + "; ".join(f"{h:.1f} / {g:.1f}" for h, g in state["marks"]), flush=True)
+    if args.profile:
+        state["gpu_ahead"], state["profiler"] = True, cProfile.Profile()
+        llm.generate(random_prompts(llm.llm_engine.vocab_size, 1, args.length, seed=49), params, use_tqdm=False)
+        stats = pstats.Stats(state["profiler"])
+        for key in ("tottime", "cumulative"):
+            stats.sort_stats(key).print_stats(args.profile)
 
 
 if __name__ == "__main__":

@@ -16,13 +16,13 @@ Eager only: the split is decided on the host from host copies of the metadata an
 on it, so the caller uses ``gdn_recurrent`` in captured CUDA graphs (called during a capture, this function
 does exactly that).
 
-Numerics: fla computes in fp32 with TF32 tensor-core products (bf16 inputs reach it widened to fp32: 4x closer
-states than feeding fla bf16, ~5% slower; the layer's conv writes them so, contiguous: ``model_dtype`` below), in a
-different order than the token loop. Chunked requests match ``gdn_recurrent_ref`` to ~1.5e-3 (fp32 inputs) /
-~2.8e-3 (bf16 inputs) relative error in outputs and ~8e-4 in final states (Frobenius, worst request; H200, Qwen3.5
-shapes, chunks up to 700 tokens); requests left to ``gdn_recurrent`` are bit-identical to a plain ``gdn_recurrent``
-call. fla keeps its state in fp32 only, so float64 states (float64 models, the exactness tests) always take the token
-loop.
+Numerics: fla gets q, k, v in the model's dtype (as transformers and vLLM call it; g, beta and states in fp32) and
+computes in another order than the token loop, with bf16 products for bf16 inputs: one 8K-token sequence at Qwen3.5's
+GDN shape takes 0.46 ms instead of 0.98 ms with the inputs widened to fp32 (TF32 products; 32K: 1.37 vs 3.83 ms), at
+4.8e-3 instead of 1.5e-3 relative error in the outputs and 3.8e-3 instead of 8e-4 in the final state against a
+float64 recurrence (benchmarks/fla_input_dtype.py, H200; one bf16 rounding is up to 3.9e-3). Requests left to
+``gdn_recurrent`` are bit-identical to a plain ``gdn_recurrent`` call. fla keeps its state in fp32 only, so float64
+states (float64 models, the exactness tests) always take the token loop.
 
 Speed (benchmarks/gdn_prefill.py, H200, bf16): one call costs ~1.4 ms whatever its size, then ~0.13 us per
 token; the token loop costs ~1.7 us per token of the longest request (until the GPU is full: 128x512 tokens
@@ -112,55 +112,48 @@ def gdn_chunked(
     min_chunk_len: int = MIN_CHUNK_LEN,
     is_chunked_cpu: list[bool] | None = None,
     plan_cache: dict | None = None,
-    model_dtype: torch.dtype | None = None,
     qk_normalized: bool = False,
 ) -> torch.Tensor:
     """``gdn_recurrent`` given g, beta tensors (same arguments, same effect on ``ssm_state``, o [T, HV, DV])
     with long prefill chunks (or the requests ``is_chunked_cpu`` names) through fla's chunk kernel. The ``*_cpu``
     lists are host copies of the metadata (read back with one sync when omitted). ``plan_cache``: a dict that lives
     for one step (the layers' shared host cache), where the step's ``ChunkedPlan`` is kept for the next layer (see
-    ``step_plan``). All initial states are read before any slot is written. ``model_dtype``: q, k, v come widened
-    (fp32, contiguous: fla takes them so without a copy) but hold values of this dtype, which the token loop's rows are
-    given back in (bit for bit its usual inputs) and o is returned in (default v's dtype). ``qk_normalized``: the
+    ``step_plan``). All initial states are read before any slot is written. q, k, v in the model's dtype, each
+    contiguous per row (fla takes the chunked rows without a copy); o in v's dtype. ``qk_normalized``: the
     chunk kernel's rows of q and k come L2-normalised already (the conv's ``l2norm_rows`` with the plan's
     ``chunked_flags``), so fla does not normalise them again.
     """
     meta = (query_start_loc, state_src, state_dst, state_write_start)
-    model_dtype = model_dtype or v.dtype
     if ssm_state.is_cuda and torch.cuda.is_current_stream_capturing():  # host reads cannot be captured
-        return gdn_recurrent(*_narrowed(model_dtype, q, k, v), g, beta, ssm_state, *meta, scale, use_qk_l2norm)
+        return gdn_recurrent(q, k, v, g, beta, ssm_state, *meta, scale, use_qk_l2norm)
     plan = step_plan(ssm_state, q.shape[-1], *meta, query_start_loc_cpu=query_start_loc_cpu,
                      state_src_cpu=state_src_cpu, state_dst_cpu=state_dst_cpu,
                      state_write_start_cpu=state_write_start_cpu, min_chunk_len=min_chunk_len,
                      is_chunked_cpu=is_chunked_cpu, plan_cache=plan_cache)  # fmt: skip
     if not plan.split.chunked:
-        return gdn_recurrent(*_narrowed(model_dtype, q, k, v), g, beta, ssm_state, *meta, scale, use_qk_l2norm)
+        return gdn_recurrent(q, k, v, g, beta, ssm_state, *meta, scale, use_qk_l2norm)
     initial = plan.initial(ssm_state)  # reads before any write
     recurrent = None
     if plan.recurrent_rows is not None:
         rows = plan.recurrent_rows
-        recurrent = gdn_recurrent(*_narrowed(model_dtype, *(x[rows] for x in (q, k, v))), g[rows], beta[rows],
-                                  ssm_state, *plan.recurrent_meta, scale, use_qk_l2norm)  # fmt: skip
+        recurrent = gdn_recurrent(q[rows], k[rows], v[rows], g[rows], beta[rows], ssm_state, *plan.recurrent_meta,
+                                  scale, use_qk_l2norm)  # fmt: skip
     rows = plan.chunked_rows
-    cdt = ssm_state.dtype  # fla's products in fp32 (TF32) even for bf16 inputs, as gdn_recurrent's math
+    cdt = ssm_state.dtype  # gates in fp32, as the token loop's
     o, final = _chunk_kernel()(
-        *(x[rows][None].to(cdt) for x in (q, k, v, g, beta)), scale=q.shape[-1] ** -0.5 if scale is None else scale,
-        initial_state=initial, output_final_state=True, use_qk_l2norm_in_kernel=use_qk_l2norm and not qk_normalized,
+        *(x[rows][None] for x in (q, k, v)), *(x[rows][None].to(cdt) for x in (g, beta)),
+        scale=q.shape[-1] ** -0.5 if scale is None else scale, initial_state=initial, output_final_state=True,
+        use_qk_l2norm_in_kernel=use_qk_l2norm and not qk_normalized,
         cu_seqlens=plan.cu_seqlens, cu_seqlens_cpu=plan.cu_seqlens_cpu, chunk_indices=plan.chunk_indices,
     )  # fmt: skip
-    o = o[0].to(model_dtype)
+    o = o[0]
     if recurrent is None and isinstance(rows, slice) and rows == slice(0, q.shape[0]):  # the chunk fills the step
         out = o
     else:
-        out = torch.zeros(q.shape[0], v.shape[1], v.shape[2], dtype=model_dtype, device=v.device)
+        out = torch.zeros(q.shape[0], v.shape[1], v.shape[2], dtype=v.dtype, device=v.device)
         out[rows] = o
         if recurrent is not None:
             out[plan.recurrent_rows] = recurrent
     if plan.kept is not None:  # final[i]: chunked request i's state after its last token, kept where the protocol says
         ssm_state[plan.kept_slots] = final[plan.kept].to(ssm_state.dtype)
     return out
-
-
-def _narrowed(dtype: torch.dtype, *xs: torch.Tensor) -> list[torch.Tensor]:
-    """``xs`` in ``dtype`` (exact: they hold values of it); unchanged where they already are."""
-    return [x if x.dtype == dtype else x.to(dtype) for x in xs]

@@ -40,10 +40,11 @@ def chunked_prefill_min_len(model: nn.Module, device: torch.device) -> int | Non
 
 def _use_chunked_prefill(x: torch.Tensor, ctx: ForwardContext) -> bool:
     """Whether an eager step's long prefill chunks go through fla's chunk kernel (kernels/gdn_chunked.py): only
-    with fla installed, for bf16 / fp16 models (fla's matrix products run in TF32, so fp32 and fp64 models, the
-    ones exactness checks use, keep the token loop), never while a CUDA graph is being captured, and only when a
-    request asks for it (``ctx.gdn_chunked_cpu``, a GdnPrefillRule's path) or, without such flags, when a request's
-    chunk is long enough to gain (the engine splits prompts into chunks of max_num_batched_tokens)."""
+    with fla installed, for bf16 / fp16 models (fla's matrix products run in the model's 16-bit dtype or TF32, so
+    fp32 and fp64 models, the ones exactness checks use, keep the token loop), never while a CUDA graph is being
+    captured, and only when a request asks for it (``ctx.gdn_chunked_cpu``, a GdnPrefillRule's path) or, without
+    such flags, when a request's chunk is long enough to gain (the engine splits prompts into chunks of
+    max_num_batched_tokens)."""
     if x.dtype not in (torch.bfloat16, torch.float16) or ctx.state_cpu is None:
         return False
     chunked = kernels().gdn_chunked  # the module: its threshold, and whether fla can run here
@@ -146,7 +147,7 @@ class GatedDeltaNet(nn.Module):
         meta = (ctx.query_start_loc, ctx.state_src, ctx.state_dst, ctx.state_write_start)
         mixed_qkv, z, b, a = self.in_proj.split(self.in_proj(x))
         conv = (mixed_qkv, self.conv1d.weight, self.conv_state, *meta, self.hidden_act)
-        if _use_chunked_prefill(x, ctx):  # q, k, v contiguous in fla's fp32, holding the model-dtype values ...
+        if _use_chunked_prefill(x, ctx):  # q, k, v: three contiguous blocks, as fla takes them ...
             src, dst, write_start = ctx.state_cpu
             host = {"query_start_loc_cpu": ctx.query_start_loc_cpu, "state_src_cpu": src, "state_dst_cpu": dst,
                     "state_write_start_cpu": write_start, "is_chunked_cpu": ctx.gdn_chunked_cpu,
@@ -155,11 +156,10 @@ class GatedDeltaNet(nn.Module):
             # ... and the chunk kernel's requests' q / k L2-normalised by the conv, not by fla (two launches fewer)
             normalise = plan.chunked_flags if self.head_k_dim & (self.head_k_dim - 1) == 0 else None
             q, k, v = k_ops.causal_conv1d(*conv, split=(self.key_dim, self.key_dim, self.value_dim),
-                                          out_dtype=self.ssm_state.dtype, l2norm_rows=normalise,
-                                          l2norm_head_dim=self.head_k_dim)  # fmt: skip
+                                          l2norm_rows=normalise, l2norm_head_dim=self.head_k_dim)  # fmt: skip
             q, k, v = self._heads(q, k, v)
             g, beta = k_ops.gdn_gating(a, b, self.A_log, self.dt_bias)  # fla's kernel takes the gates as tensors
-            core = k_ops.gdn_chunked.gdn_chunked(q, k, v, g, beta, self.ssm_state, *meta, **host, model_dtype=x.dtype,
+            core = k_ops.gdn_chunked.gdn_chunked(q, k, v, g, beta, self.ssm_state, *meta, **host,
                                                  qk_normalized=normalise is not None)  # fmt: skip
         else:  # the gates are computed inside the recurrent kernel (bitwise as gdn_gating): one launch fewer
             q, k, v = self._split_heads(k_ops.causal_conv1d(*conv))
