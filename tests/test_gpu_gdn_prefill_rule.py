@@ -5,7 +5,8 @@ long_prefill_token_threshold, prefix caching or speculation.
 The embedded hybrid model in bf16 (default CUDA graphs), prompts of 1100-2500 tokens cut from the held-out code (and
 two short ones beside them), 32 greedy tokens each: (a) max_num_batched_tokens 8192 vs 300 vs
 long_prefill_token_threshold 128; (b) prefix caching on vs off, with prompts sharing prefixes and a next turn;
-(c) ngram k=8 vs no speculation. Every run must have sent prompt chunks to fla's chunk kernel (counted).
+(c) ngram k=8 vs no speculation, in bf16 and fp16. Every run must have sent prompt chunks to fla's chunk kernel
+(counted).
 """
 
 import gc
@@ -75,10 +76,10 @@ def counting_fla_calls() -> Iterator[Counter[str]]:
         gdn_chunked._chunk_kernel = real
 
 
-def generate(batches: list[list[list[int]]], **kwargs: object) -> list[tuple[list[int], list]]:
+def generate(batches: list[list[list[int]]], dtype: str = "bfloat16", **kwargs: object) -> list[tuple[list[int], list]]:
     """(greedy tokens, their top-5 logprobs) of each batch in turn (one engine: a later batch may reuse what an
     earlier one cached)."""
-    llm = LLM(str(DEFAULT_MODEL_DIR), dtype="bfloat16", device="cuda", max_model_len=4096, max_num_seqs=4, **kwargs)
+    llm = LLM(str(DEFAULT_MODEL_DIR), dtype=dtype, device="cuda", max_model_len=4096, max_num_seqs=4, **kwargs)
     assert llm.llm_engine.gdn_rule is not None and llm.llm_engine.gdn_rule.min_prompt_len == 1024
     tokens = []
     with counting_fla_calls() as counts:
@@ -120,7 +121,8 @@ def test_long_prompt_tokens_do_not_depend_on_prefix_caching() -> None:
     assert_same(off, on, "prefix caching on vs off")
 
 
-def test_long_prompt_tokens_do_not_depend_on_speculation() -> None:
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])  # fla takes q / k / v in the model's dtype
+def test_long_prompt_tokens_do_not_depend_on_speculation(dtype: str) -> None:
     batch = long_prompts()
-    plain = generate([batch], max_num_batched_tokens=300)
-    assert_same(plain, generate([batch], max_num_batched_tokens=300, speculative_config=NGRAM), "ngram k=8")
+    plain = generate([batch], dtype, max_num_batched_tokens=300)
+    assert_same(plain, generate([batch], dtype, max_num_batched_tokens=300, speculative_config=NGRAM), "ngram k=8")
