@@ -120,27 +120,6 @@ def test_chunked_path_is_unavailable_without_cuda() -> None:
     assert not is_available()
 
 
-def test_only_long_queries_keeping_just_their_final_state_go_to_the_chunk_kernel() -> None:
-    # (query_len, state_dst, state_write_start) -> chunk kernel?
-    cases = [
-        ((1, 0, 0), False),  # decode
-        ((4, 4, 0), False),  # 1+3 verify keeps a state per position
-        ((64, 8, 63), True),  # prefill chunk exactly at the threshold
-        ((63, 12, 62), False),  # one token short
-        ((700, -1, 699), True),  # inert row: no state kept at all
-        ((100, 16, 0), False),  # long, but keeps every position's state
-        ((100, 20, 98), False),  # keeps its last two states
-        ((100, 24, 100), True),  # keeps nothing (write start past the end)
-        ((0, 28, -1), None),  # empty query: runs nowhere
-    ]
-    qsl = [0]
-    for (n, _, _), _ in cases:
-        qsl.append(qsl[-1] + n)
-    split = split_requests(qsl, [c[0][1] for c in cases], [c[0][2] for c in cases], min_chunk_len=64)
-    assert split.chunked == [i for i, (_, want) in enumerate(cases) if want is True]
-    assert split.recurrent == [i for i, (_, want) in enumerate(cases) if want is False]
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_gdn_chunked_is_exactly_gdn_recurrent_where_the_chunk_kernel_cannot_run(dtype: torch.dtype) -> None:
     """Without CUDA or fla, and for float64 states (fla keeps fp32 state), nothing changes: same bits."""
@@ -173,40 +152,6 @@ def reference_chunk_kernel(q, k, v, g, beta, *, scale, initial_state, output_fin
     return o[None], states[n:]
 
 
-def test_the_plan_holds_the_step_metadata_in_one_copy(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``ChunkedPlan.of``: every index the chunk kernel's requests need, in one host-to-device copy (the plan's
-    tensors are views of it), for steps of one fresh prompt (its rows a slice, zero states, its last state kept),
-    prompts that continue and keep nothing, and a mix with token-loop requests between them."""
-    copies = []
-    real = plan_mod._to_device
-    monkeypatch.setattr(plan_mod, "_to_device", lambda columns, device: copies.append(columns) or real(columns,
-                                                                                                          device))
-    from truespec.ops.state_slots import StateSlots
-
-    def plan(qsl: list[int], src: list[int], dst: list[int], write_start: list[int]) -> plan_mod.ChunkedPlan:
-        slots = StateSlots(qsl, src, dst, write_start)
-        split = split_requests(qsl, dst, write_start, min_chunk_len=64)
-        return plan_mod.ChunkedPlan.of(slots, split, torch.device("cpu"))
-
-    fresh = plan([0, 200], [-1], [3], [199])
-    assert fresh.chunked_rows == slice(0, 200) and fresh.recurrent_rows is None and fresh.recurrent_meta is None
-    assert fresh.cu_seqlens.tolist() == [0, 200] and fresh.chunk_indices.tolist() == [[0, j] for j in range(4)]
-    assert fresh.initial.index is None and fresh.kept.tolist() == [0] and fresh.kept_slots.tolist() == [3]
-    both = plan([0, 64, 130], [5, 7], [-1, -1], [0, 0])
-    assert both.initial.index.tolist() == [5, 7] and both.initial.is_zero is None and both.kept is None
-    assert both.chunk_indices.tolist() == [[0, 0], [1, 0], [1, 1]]
-    mixed = plan([0, 100, 101, 301, 303], [-1, 4, 6, 8], [2, 4, 9, 8], [99, 0, 199, 0])
-    assert mixed.split.chunked == [0, 2] and mixed.chunked_rows.tolist() == [*range(100), *range(101, 301)]
-    assert mixed.recurrent_rows.tolist() == [100, 301, 302]
-    assert [t.tolist() for t in mixed.recurrent_meta] == [[0, 1, 3], [4, 8], [4, 8], [0, 0]]
-    assert mixed.initial.index.tolist() == [0, 6] and mixed.initial.is_zero.tolist() == [True, False]
-    assert mixed.kept.tolist() == [0, 1] and mixed.kept_slots.tolist() == [2, 9]
-    assert len(copies) == 3  # one per plan: the tensors are views of it
-    storage = mixed.cu_seqlens.untyped_storage().data_ptr()
-    assert all(t.untyped_storage().data_ptr() == storage for t in (mixed.chunk_indices, mixed.initial.index,
-                                                                    mixed.kept_slots, *mixed.recurrent_meta))
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_chunked_requests_read_sources_first_and_keep_only_final_states(
     dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
@@ -217,21 +162,6 @@ def test_chunked_requests_read_sources_first_and_keep_only_final_states(
     for seed in range(3):
         rows = mixed_rows(random.Random(seed), long=(8, 14), short_max=7)
         check_against_reference(batch(rows, hk=2, hv=4, dk=8, dv=12, dtype=dtype, seed=seed), 8, tol=0)
-
-
-def test_flagged_requests_go_to_the_chunk_kernel_whatever_their_length() -> None:
-    """A GdnPrefillRule's flags (core/gdn_prefill_rule.py) replace the length rule: a flagged 1-token chunk goes to
-    the chunk kernel, an unflagged 2000-token one to the loop; a flagged query keeping more than its final state
-    still takes the loop; without a usable kernel (inf) nothing does."""
-    lens, dst, write_start = [1, 2000, 64, 4, 0, 130], [0, 4, -1, 12, 16, 20], [0, 1999, 63, 0, -1, 129]
-    flags = [True, False, True, True, True, True]
-    qsl = [0]
-    for n in lens:
-        qsl.append(qsl[-1] + n)
-    split = split_requests(qsl, dst, write_start, min_chunk_len=64, is_chunked=flags)
-    assert split.chunked == [0, 2, 5] and split.recurrent == [1, 3]
-    unusable = split_requests(qsl, dst, write_start, min_chunk_len=float("inf"), is_chunked=flags)
-    assert unusable.chunked == [] and unusable.recurrent == [0, 1, 2, 3, 5]
 
 
 def test_gdn_chunked_sends_exactly_the_flagged_requests_to_the_chunk_kernel(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -18,11 +18,11 @@ does exactly that).
 
 Numerics: fla gets q, k, v in the model's dtype (as transformers and vLLM call it; g, beta and states in fp32) and
 computes in another order than the token loop, with bf16 products for bf16 inputs: one 8K-token sequence at Qwen3.5's
-GDN shape takes 0.46 ms instead of 0.98 ms with the inputs widened to fp32 (TF32 products; 32K: 1.37 vs 3.83 ms), at
-4.8e-3 instead of 1.5e-3 relative error in the outputs and 3.8e-3 instead of 8e-4 in the final state against a
-float64 recurrence (benchmarks/fla_input_dtype.py, H200; one bf16 rounding is up to 3.9e-3). Requests left to
-``gdn_recurrent`` are bit-identical to a plain ``gdn_recurrent`` call. fla keeps its state in fp32 only, so float64
-states (float64 models, the exactness tests) always take the token loop.
+GDN shape takes 0.455 ms instead of 0.973 ms with the inputs widened to fp32 (TF32 products; 32K: 1.36 vs 3.80 ms),
+at 4.5e-3 instead of 1.5e-3 relative error in the outputs and 3.5e-3 instead of 8e-4 in the final state against a
+float64 recurrence (benchmarks/fla_input_dtype.py, H200, BENCHMARKS.md session 26; one bf16 rounding is up to 3.9e-3).
+Requests left to ``gdn_recurrent`` are bit-identical to a plain ``gdn_recurrent`` call. fla keeps its state in fp32
+only, so float64 states (float64 models, the exactness tests) always take the token loop.
 
 Speed (benchmarks/gdn_prefill.py, H200, bf16): one call costs ~1.4 ms whatever its size, then ~0.13 us per
 token; the token loop costs ~1.7 us per token of the longest request (until the GPU is full: 128x512 tokens
@@ -119,9 +119,9 @@ def gdn_chunked(
     lists are host copies of the metadata (read back with one sync when omitted). ``plan_cache``: a dict that lives
     for one step (the layers' shared host cache), where the step's ``ChunkedPlan`` is kept for the next layer (see
     ``step_plan``). All initial states are read before any slot is written. q, k, v in the model's dtype, each
-    contiguous per row (fla takes the chunked rows without a copy); o in v's dtype. ``qk_normalized``: the
-    chunk kernel's rows of q and k come L2-normalised already (the conv's ``l2norm_rows`` with the plan's
-    ``chunked_flags``), so fla does not normalise them again.
+    contiguous (fla takes the chunked rows without a copy when they are one run of the step); o in v's dtype.
+    ``qk_normalized``: the chunk kernel's rows of q and k come L2-normalised already (the conv's ``l2norm_rows`` with
+    the plan's ``chunked_flags``), so fla does not normalise them again.
     """
     meta = (query_start_loc, state_src, state_dst, state_write_start)
     if ssm_state.is_cuda and torch.cuda.is_current_stream_capturing():  # host reads cannot be captured

@@ -58,11 +58,15 @@ def chunk_indices(cu_seqlens: list[int], chunk_size: int = FLA_CHUNK_SIZE) -> li
 def _to_device(columns: list[list[int]], device: torch.device) -> list[torch.Tensor]:
     """int64 ``columns`` on ``device`` in one copy; on CUDA from pinned memory, asynchronously: a copy from pageable
     host memory waits for everything queued on the GPU before it (one such wait in an 8K prefill kept the host from
-    queueing it behind the previous step)."""
-    host = torch.tensor([x for column in columns for x in column], dtype=torch.int64)
+    queueing it behind the previous step). Each column starts 16-byte aligned (padded to an even length): Triton
+    compiles a kernel apart for a pointer that is not, so an unaligned column would compile kernels mid-run."""
+    padded = [len(c) + len(c) % 2 for c in columns]
+    host = torch.tensor([x for c, n in zip(columns, padded, strict=True) for x in c + [0] * (n - len(c))],
+                        dtype=torch.int64)  # fmt: skip
     if device.type == "cuda":
         host = host.pin_memory()
-    return list(host.to(device, non_blocking=True).split([len(c) for c in columns]))
+    parts = host.to(device, non_blocking=True).split(padded)
+    return [part[:len(c)] for part, c in zip(parts, columns, strict=True)]
 
 
 @dataclass(frozen=True)
