@@ -126,13 +126,28 @@ def test_a_step_with_an_fla_chunk_never_replays_a_graph(tiny_models: dict[str, P
     assert runner._graph_size(rows[:2], 6, False, True) == 8
 
 
+@pytest.mark.parametrize("pad_to", [None, 7, 8])
+def test_every_step_tensor_starts_16_byte_aligned(pad_to: int | None) -> None:
+    """Triton compiles a kernel apart for a pointer that is not 16-byte aligned: odd token and request counts (an
+    eager step's, a graph size's) must not shift the later segments of the packed step off alignment."""
+    for num_reqs in (1, 2, 3):
+        rows = [ContextRow([2 * r, 2 * r + 1], 3, 1 + r % 2, 2 * r, 2 * r, 0, 1) for r in range(num_reqs)]
+        n = sum(row.query_len for row in rows)
+        step = build_step(rows, [5] * n, [3] * n, 8, CPU, pad_to=pad_to)
+        ctx = step.ctx
+        tensors = [step.input_ids, step.positions, ctx.query_start_loc, ctx.seq_lens, ctx.slot_mapping,
+                   ctx.block_tables, ctx.state_src, ctx.state_dst, ctx.state_write_start, ctx.logits_indices]
+        assert all(t.data_ptr() % 16 == 0 for t in tensors)
+        assert ctx.query_start_loc.shape[0] == (pad_to or num_reqs) + 1 and step.input_ids.shape[0] == (pad_to or n)
+
+
 def test_build_step_unpadded_and_errors() -> None:
     rows = [ContextRow([3, 4, 5], 14, 3, 5, 6, 0, 1)]
     step = build_step(rows, [1, 2, 3], [14, 15, 16], 8, CPU)
     assert step.ctx.slot_mapping.tolist() == [38, 39, 40]
     assert step.ctx.logits_indices.tolist() == [2]
     assert step.ctx.block_tables.tolist() == [[3, 4, 5]]
-    assert packed_size(6, 6, 3) == 4 * 6 + 6 * 6 + 1 + 18
+    assert packed_size(6, 6, 3) == 4 * 6 + (7 + 1) + 5 * 6 + 18  # query_start_loc's 7 take 8: the next starts aligned
     with pytest.raises(ValueError, match="does not fit pad_to"):
         build_step(rows, [1, 2, 3], [14, 15, 16], 8, CPU, pad_to=2)
     with pytest.raises(ValueError, match="more than the 1 a step allows"):

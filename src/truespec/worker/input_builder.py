@@ -49,16 +49,24 @@ def _layout(num_tokens: int, num_reqs: int, width: int) -> list[int]:
     return [t, t, t, t, r + 1, r, r, r, r, r, r * width]
 
 
+def _spans(cuts: list[int]) -> list[int]:
+    """The room each segment takes in the buffer: its length rounded up to an even count of int64s, so that every
+    segment starts 16-byte aligned. Triton compiles a kernel apart for a pointer that is not, so with segments packed
+    end to end a step of an odd token or request count would compile kernels again mid-run."""
+    return [n + n % 2 for n in cuts]
+
+
 def packed_size(num_tokens: int, num_reqs: int, width: int) -> int:
     """int64 elements of a packed step."""
-    return sum(_layout(num_tokens, num_reqs, width))
+    return sum(_spans(_layout(num_tokens, num_reqs, width)))
 
 
 def split_packed(buf: torch.Tensor, num_tokens: int, num_reqs: int, width: int) -> list[torch.Tensor]:
     """Views of a packed step's segments (``_layout`` order), the block tables as [num_reqs, width]. A graph's
     static buffer is split once per capture size and the views reused by every step (``build_step(views=)``)."""
     cuts = _layout(num_tokens, num_reqs, width)
-    views = list(torch.split(buf[:sum(cuts)], cuts))
+    spans = _spans(cuts)
+    views = [view[:n] for view, n in zip(torch.split(buf[:sum(spans)], spans), cuts, strict=True)]
     views[10] = views[10].view(num_reqs, width)
     return views
 
@@ -92,7 +100,8 @@ def build_step(rows: list[ContextRow], input_ids: list[int], positions: list[int
         logits_indices += range(row_end - row.num_logits, row_end)
     t, r = size_t, size_r
     cuts = _layout(t, r, width)
-    meta_len = sum(cuts[:10])
+    spans = _spans(cuts)
+    meta_len = sum(spans[:10])
     used = max((len(row.block_ids) for row in rows), default=0)  # block-table columns real rows use
     if used > width:
         raise ValueError(f"a request holds {used} KV blocks, more than the {width} a step allows")
@@ -102,15 +111,15 @@ def build_step(rows: list[ContextRow], input_ids: list[int], positions: list[int
                 [row.num_prompt_rows for row in rows])
     pads = (0, 0, -1, 0, num_tokens, 0, -1, -1, 0, 0)  # inert padding, see the module docstring
     values: list[int] = []  # the packed step, built as one list and converted once (the host's hot path)
-    for seg, pad, length in zip(segments, pads, cuts, strict=False):
+    for seg, pad, span in zip(segments, pads, spans, strict=False):
         values += seg
-        values += [pad] * (length - len(seg))
+        values += [pad] * (span - len(seg))
     columns = width if full else used
     for row in rows:
         values += row.block_ids
         values += [-1] * (columns - len(row.block_ids))
     if full:
-        values += [-1] * ((r - num_reqs) * width)
+        values += [-1] * ((r - num_reqs) * width + spans[10] - cuts[10])
         buf = torch.from_numpy(np.array(values, dtype=np.int64)).to(device)
     else:
         # Kernels read a row's table only below its seq_len (and padded rows not at all), so the cells past
