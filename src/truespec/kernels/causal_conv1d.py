@@ -10,12 +10,11 @@ it finds each row's request by a vectorised binary search over query_start_loc, 
 program per row would, so tiling changes no bit. Kept rows store their window from the inputs already loaded,
 other rows load nothing more; padding rows (past query_start_loc[R]) load nothing and output zeros. The grid
 depends on T and C only, so the kernel replays inside CUDA graphs. The tile changes no conv output bit: steps of
-up to SMALL_STEP_TOKENS rows keep one row a program (BLOCK_T 1, the decode launch tuned before), longer ones tiles of
-4 rows x 256 channels (benchmarks/causal_conv1d_speed.py, H200, 8K rows: 207 us vs 323 for a row a program and 275
-for 32 x 128; larger tiles spill registers, 64 x 128 took 4.8 ms). In such long steps a tile whose rows are all of one
-request, past its first K-1 tokens and keeping no window skips the window logic (``plain_tiles``; 8K rows with the
-split fp32 output: 240 -> 164 us). ``l2norm_rows`` (below) is the exception: a norm is a Triton sum, whose order follows
-the tile's layout, so with it every step takes the long steps' tiling.
+up to SMALL_STEP_TOKENS rows keep one row a program (the decode launch), longer ones tiles of 4 rows x 256 channels,
+where a tile whose rows are all of one request, past its first K-1 tokens and keeping no window, skips the window
+logic (``plain_tiles``); measured in benchmarks/causal_conv1d_speed.py (BENCHMARKS.md, sessions 21 and 25).
+``l2norm_rows`` (below) is the exception: a norm is a Triton sum, whose order follows the tile's layout, so with it
+every step takes the long steps' tiling.
 Because a source slot may lie in the request's own destination group (a verify keeping a window per
 position), the starting windows are first copied into a separate buffer [R, C, K-1] by one small gather
 kernel: the conv kernel runs after it on the stream, so every read of a source slot precedes every write.
@@ -24,9 +23,9 @@ no fill, and it is one launch where torch takes two, a clamp and an index_select
 
 ``split`` (widths summing to C) writes the output as that many separate contiguous [T, width] tensors instead of one
 [T, C] (optionally in a wider ``out_dtype`` holding exactly the x-dtype values): fla's chunk kernel takes q, k, v
-contiguous (kernels/gdn_chunked.py), which otherwise costs a strided copy of each (3.3 ms of an 8K prefill's 55.8 ms
-on the Qwen3.5-0.8B shape, H200, when fla took them in fp32). With it, ``l2norm_rows`` L2-normalises the q / k heads of
-the requests it flags in the epilogue, as fla's own l2norm would (two launches a layer fewer).
+contiguous (kernels/gdn_chunked.py), which otherwise costs a strided copy of each. With it, ``l2norm_rows``
+L2-normalises the q / k heads of the requests it flags in the epilogue, as fla's own l2norm would (two launches a
+layer fewer).
 """
 
 import torch
