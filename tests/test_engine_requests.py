@@ -69,7 +69,10 @@ def test_error_inside_a_step_frees_everything_and_engine_recovers(llm: LLM, monk
     ({"prompt_token_ids": []}, "empty"),
     ({"prompt_token_ids": list(range(1, 257))}, "max_model_len"),
     ({"prompt_token_ids": [1, 99999]}, "vocabulary"),
+    ({"prompt_token_ids": [-1, 3]}, "vocabulary"),
     ({"prompt_token_ids": "abc"}, "prompt_token_ids"),
+    ({"prompt_token_ids": [True, 2]}, "list of ints"),  # a bool is an int to Python, not a token
+    ({"prompt_token_ids": [1, 2.0]}, "list of ints"),
     (42, "prompt must be"),
 ])
 def test_bad_prompt_fails_alone(llm: LLM, prompt: object, message: str) -> None:

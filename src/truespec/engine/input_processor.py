@@ -72,7 +72,7 @@ class InputProcessor:
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             ids = prompt["prompt_token_ids"]
-            if not isinstance(ids, list | tuple) or not all(type(t) is int for t in ids):  # bool is no token
+            if not isinstance(ids, list | tuple) or not set(map(type, ids)) <= {int}:  # bool is no token
                 raise ValueError("prompt_token_ids must be a list of ints")
             return prompt.get("prompt"), list(ids)
         text = prompt.get("prompt") if isinstance(prompt, dict) else prompt
