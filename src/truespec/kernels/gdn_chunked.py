@@ -24,10 +24,11 @@ float64 recurrence (benchmarks/fla_input_dtype.py, H200, BENCHMARKS.md session 2
 Requests left to ``gdn_recurrent`` are bit-identical to a plain ``gdn_recurrent`` call. fla keeps its state in fp32
 only, so float64 states (float64 models, the exactness tests) always take the token loop.
 
-Speed (benchmarks/gdn_prefill.py, H200, bf16): one call costs ~1.4 ms whatever its size, then ~0.13 us per
-token; the token loop costs ~1.7 us per token of the longest request (until the GPU is full: 128x512 tokens
-take 8.4 ms either way). So one 4096-token chunk is 4.6x faster, one 512-token chunk 2x slower: hence the
-default ``MIN_CHUNK_LEN``.
+Speed (benchmarks/gdn_prefill.py, H200, bf16 model, measured when fla still took fp32 inputs): one call costs
+~1.4 ms whatever its size, then ~0.13 us per token; the token loop costs ~1.7 us per token of the longest request
+(until the GPU is full: 128x512 tokens take 8.4 ms either way). So one 4096-token chunk is 4.6x faster, one 512-token
+chunk 2x slower: hence the default ``MIN_CHUNK_LEN``. (A step of <= 512 tokens is also one the CUDA graphs replay,
+where only the token loop can run.)
 """
 
 import functools
@@ -40,7 +41,7 @@ from truespec.kernels.gdn_chunked_plan import ChunkedPlan, split_requests
 from truespec.kernels.gdn_recurrent import gdn_recurrent
 from truespec.ops.state_slots import StateSlots
 
-MIN_CHUNK_LEN = 1024  # measured break-even ~800 tokens (bf16) / ~1100 (fp32); never below fla's chunk size, 64
+MIN_CHUNK_LEN = 1024  # break-even ~800 tokens (bf16) / ~1100 (fp32) with fp32 fla inputs; never below 64
 MAX_HEAD_K_DIM = 256  # fla's state kernel (chunk_gated_delta_rule_fwd_h) asserts head_k_dim <= 256
 
 
