@@ -2,12 +2,19 @@
 by a GdnPrefillRule's flags), and the step's ``ChunkedPlan``, its device tensors built in one copy. Plain Python and
 torch on the CPU."""
 
+import os
+
 import pytest
 import torch
 
-from truespec.kernels import gdn_chunked_plan as plan_mod
-from truespec.kernels.gdn_chunked_plan import split_requests
-from truespec.ops.state_slots import StateSlots
+if not torch.cuda.is_available():  # the kernels package is imported with the plan: see tests/helpers/kernels.py
+    os.environ["TRITON_INTERPRET"] = "1"
+
+pytest.importorskip("triton")
+
+from truespec.kernels import gdn_chunked_plan as plan_mod  # noqa: E402
+from truespec.kernels.gdn_chunked_plan import split_requests  # noqa: E402
+from truespec.ops.state_slots import StateSlots  # noqa: E402
 
 
 def test_only_long_queries_keeping_just_their_final_state_go_to_the_chunk_kernel() -> None:
@@ -36,8 +43,8 @@ def test_the_plan_holds_the_step_metadata_in_one_copy(monkeypatch: pytest.Monkey
     tensors are views of it), for steps of one fresh prompt (its rows a slice, zero states, its last state kept),
     prompts that continue and keep nothing, and a mix with token-loop requests between them."""
     copies = []
-    real = plan_mod._to_device
-    monkeypatch.setattr(plan_mod, "_to_device", lambda columns, device: copies.append(columns) or real(columns,
+    real = plan_mod.columns_to_device
+    monkeypatch.setattr(plan_mod, "columns_to_device", lambda columns, device: copies.append(columns) or real(columns,
                                                                                                           device))
     def plan(qsl: list[int], src: list[int], dst: list[int], write_start: list[int]) -> plan_mod.ChunkedPlan:
         slots = StateSlots(qsl, src, dst, write_start)
