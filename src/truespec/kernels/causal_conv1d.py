@@ -235,9 +235,9 @@ def _launch(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, conv_state
     query_start_loc, state_src, state_dst, state_write_start = meta
     num_reqs = state_src.shape[0]
     init = gather_windows(conv_state, state_src)  # [R, C, K-1]: every read before the kernel's writes
-    long_step = num_tokens > SMALL_STEP_TOKENS
-    if l2norm_rows is not None:  # one tiling for every step: a Triton sum's order follows its block's layout, so a
-        long_step = True  # row's norm would depend on the step's size (and a prompt's tokens on the token budget)
+    # with l2norm_rows one tiling for every step: a Triton sum's order follows its block's layout, so a row's norm
+    # would depend on the step's size (and a prompt's tokens on the token budget)
+    long_step = num_tokens > SMALL_STEP_TOKENS or l2norm_rows is not None
     if block_t is None:  # decode / verify steps keep the row-per-program launch measured fastest for them
         block_t = 4 if long_step else 1
     if block_c is None:
