@@ -24,8 +24,8 @@ import torch
 from truespec.core.scheduler import Scheduler
 from truespec.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from truespec.core.sequence import Sequence
+from truespec.ops.host_copy import to_device_async
 from truespec.spec_decode.interface import DeviceDrafter
-from truespec.worker.input_builder import to_device_async
 from truespec.worker.model_runner import LaunchedStep
 
 

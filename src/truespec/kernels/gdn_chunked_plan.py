@@ -5,6 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
+from truespec.ops.host_copy import columns_to_device
 from truespec.ops.state_slots import SlotGather, StateSlots
 
 FLA_CHUNK_SIZE = 64  # fla's chunk length (chunk_gated_delta_rule's default chunk_size)
@@ -55,26 +56,12 @@ def chunk_indices(cu_seqlens: list[int], chunk_size: int = FLA_CHUNK_SIZE) -> li
             for j in range(-(-(b - a) // chunk_size)) for x in (i, j)]  # fmt: skip
 
 
-def _to_device(columns: list[list[int]], device: torch.device) -> list[torch.Tensor]:
-    """int64 ``columns`` on ``device`` in one copy; on CUDA from pinned memory, asynchronously: a copy from pageable
-    host memory waits for everything queued on the GPU before it (one such wait in an 8K prefill kept the host from
-    queueing it behind the previous step). Each column starts 16-byte aligned (padded to an even length): Triton
-    compiles a kernel apart for a pointer that is not, so an unaligned column would compile kernels mid-run."""
-    padded = [len(c) + len(c) % 2 for c in columns]
-    host = torch.tensor([x for c, n in zip(columns, padded, strict=True) for x in c + [0] * (n - len(c))],
-                        dtype=torch.int64)  # fmt: skip
-    if device.type == "cuda":
-        host = host.pin_memory()
-    parts = host.to(device, non_blocking=True).split(padded)
-    return [part[:len(c)] for part, c in zip(parts, columns, strict=True)]
-
-
 @dataclass(frozen=True)
 class ChunkedPlan:
     """What ``gdn_chunked`` derives from a step's host metadata, as device tensors built once, in one asynchronous
-    copy (``_to_device``). Every GDN layer of a step has the same metadata, so the layer keeps one plan per step
-    (``plan_cache``): from the second layer on nothing is copied from the host. fla gets its chunk indices from the
-    plan too (else it would build and copy them itself, waiting for the GPU)."""
+    copy (``ops.host_copy.columns_to_device``). Every GDN layer of a step has the same metadata, so the layer keeps one
+    plan per step (``plan_cache``): from the second layer on nothing is copied from the host. fla gets its chunk
+    indices from the plan too (else it would build and copy them itself, waiting for the GPU)."""
 
     split: RequestSplit
     recurrent_rows: slice | torch.Tensor | None  # the token loop's rows and packed metadata (None: no such request)
@@ -115,7 +102,7 @@ class ChunkedPlan:
         kept = [i for i, slot in enumerate(last_slots) if slot is not None]
         if kept:
             columns |= {"kept": kept, "kept_slots": [last_slots[i] for i in kept]}
-        dev = dict(zip(columns, _to_device(list(columns.values()), device), strict=True))
+        dev = dict(zip(columns, columns_to_device(list(columns.values()), device), strict=True))
         rows = {name: dev.get(name, r) for name, r in rows.items()}
         is_zero = dev["is_zero"].bool() if "is_zero" in dev else None
         return cls(split, rows.get("recurrent_rows"), [dev[f"meta{i}"] for i in range(4)] if recurrent else None,

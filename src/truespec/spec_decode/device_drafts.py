@@ -14,8 +14,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from truespec.layers.backend import kernels, use_kernels
+from truespec.ops.host_copy import to_device_async
 from truespec.ops.spec_step import greedy_accepted_ref
-from truespec.worker.input_builder import ContextRow, to_device_async
+from truespec.worker.input_builder import ContextRow
 
 if TYPE_CHECKING:
     from truespec.worker.graph_runner import GraphRunner

@@ -26,12 +26,13 @@ import torch
 from truespec.core.scheduler_output import ScheduledRequest
 from truespec.kv_cache.layout import allocate_caches, state_bytes_per_slot
 from truespec.layers.sampler import probabilities, request_generator
+from truespec.ops.host_copy import to_device_async
 from truespec.spec_decode.deferred_catch_up import Behind, DeferredCatchUp
 from truespec.spec_decode.device_drafts import DeviceDrafts, draft_by_launches
 from truespec.spec_decode.draft_chain import DraftChain
 from truespec.spec_decode.interface import DraftRequest, Drafts
 from truespec.worker.graph_runner import GraphRunner, GraphSettings
-from truespec.worker.input_builder import ContextRow, to_device_async
+from truespec.worker.input_builder import ContextRow
 from truespec.worker.model_runner import LaunchedStep
 from truespec.worker.runner_output import ModelRunnerOutput
 

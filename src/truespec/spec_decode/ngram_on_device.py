@@ -25,9 +25,9 @@ import torch
 
 from truespec.core.sequence import Sequence
 from truespec.layers.backend import kernels, use_kernels
+from truespec.ops.host_copy import to_device_async
 from truespec.ops.ngram_match import ngram_step_ref
 from truespec.spec_decode.device_drafts import DeviceDrafts, greedy_accepted
-from truespec.worker.input_builder import to_device_async
 from truespec.worker.model_runner import LaunchedStep
 
 MIN_ROWS = 8

@@ -14,6 +14,7 @@ import torch
 from truespec.forward_context import ForwardContext
 from truespec.kv_cache.layout import kv_slots
 from truespec.layers.backend import kernels, use_kernels
+from truespec.ops.host_copy import aligned_spans
 from truespec.ops.spec_step import move_positions_ref
 
 
@@ -49,23 +50,16 @@ def _layout(num_tokens: int, num_reqs: int, width: int) -> list[int]:
     return [t, t, t, t, r + 1, r, r, r, r, r, r * width]
 
 
-def _spans(cuts: list[int]) -> list[int]:
-    """The room each segment takes in the buffer: its length rounded up to an even count of int64s, so that every
-    segment starts 16-byte aligned. Triton compiles a kernel apart for a pointer that is not, so with segments packed
-    end to end a step of an odd token or request count would compile kernels again mid-run."""
-    return [n + n % 2 for n in cuts]
-
-
 def packed_size(num_tokens: int, num_reqs: int, width: int) -> int:
     """int64 elements of a packed step."""
-    return sum(_spans(_layout(num_tokens, num_reqs, width)))
+    return sum(aligned_spans(_layout(num_tokens, num_reqs, width)))
 
 
 def split_packed(buf: torch.Tensor, num_tokens: int, num_reqs: int, width: int) -> list[torch.Tensor]:
     """Views of a packed step's segments (``_layout`` order), the block tables as [num_reqs, width]. A graph's
     static buffer is split once per capture size and the views reused by every step (``build_step(views=)``)."""
     cuts = _layout(num_tokens, num_reqs, width)
-    spans = _spans(cuts)
+    spans = aligned_spans(cuts)
     views = [view if n == span else view[:n] for view, n, span in zip(torch.split(buf[:sum(spans)], spans), cuts,
                                                                           spans, strict=True)]  # fmt: skip
     views[10] = views[10].view(num_reqs, width)
@@ -101,7 +95,7 @@ def build_step(rows: list[ContextRow], input_ids: list[int], positions: list[int
         logits_indices += range(row_end - row.num_logits, row_end)
     t, r = size_t, size_r
     cuts = _layout(t, r, width)
-    spans = _spans(cuts)
+    spans = aligned_spans(cuts)
     meta_len = sum(spans[:10])
     used = max((len(row.block_ids) for row in rows), default=0)  # block-table columns real rows use
     if used > width:
@@ -148,13 +142,6 @@ def _gdn_chunked(rows: list[ContextRow], num_reqs: int) -> list[bool] | None:
     if all(row.gdn_chunked is None for row in rows):
         return None
     return [bool(row.gdn_chunked) for row in rows] + [False] * (num_reqs - len(rows))
-
-
-def to_device_async(values: list[int], device: torch.device) -> torch.Tensor:
-    """int64 ``values`` on ``device`` in one host-to-device copy that does not wait for the device (pinned memory
-    on CUDA), queued in stream order."""
-    host = torch.tensor(values, dtype=torch.int64)
-    return host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host
 
 
 def build_forward_context(rows: list[ContextRow], block_size: int, device: torch.device) -> ForwardContext:

@@ -15,9 +15,10 @@ from truespec.kv_cache.layout import allocate_caches, copy_state_slots, kv_bytes
 from truespec.layers.rejection_sampler import emitted_tokens, greedy_verify, rejection_sample_draws
 from truespec.layers.sampler import request_generator
 from truespec.layers.token_bitmask import apply_token_bitmask_
+from truespec.ops.host_copy import to_device_async
 from truespec.sampling_params import SamplingParams
 from truespec.worker.graph_runner import GraphRunner, GraphSettings
-from truespec.worker.input_builder import ContextRow, StepInputs, to_device_async
+from truespec.worker.input_builder import ContextRow, StepInputs
 from truespec.worker.prompt_logprobs import QueuedPromptLogprobs, prompt_logprobs_entries, queue_prompt_logprobs
 from truespec.worker.runner_output import ModelRunnerOutput
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from truespec.core.scheduler_output import ScheduledRequest
-from truespec.worker.input_builder import to_device_async
+from truespec.ops.host_copy import to_device_async
 
 SLICE_ROWS = 256  # rows of [rows, vocab] logits alive at once (248K vocabulary in fp32: 254 MB)
 
