@@ -111,17 +111,7 @@ static inline uint16_t bf16_bits(float x) { uint32_t u; memcpy(&u, &x, sizeof u)
             int64_t m = 0;                                                                                        \
             for (; m + 6 <= M; m += 6) ROW_BLOCK(6, T, V, SUFFIX, L, LOAD)                                        \
             for (; m + 4 <= M; m += 4) ROW_BLOCK(4, T, V, SUFFIX, L, LOAD)                                        \
-            for (; m < M; m++) {                                                                                  \
-                V a[4] = {{0}};                                                                                   \
-                for (int64_t k = 0; k < K; k++) {                                                                 \
-                    const T xv = x[m * ld_x + k];                                                                 \
-                    a[0] = mac_##SUFFIX(a[0], xv, LOAD(pk + k * NR));                                             \
-                    a[1] = mac_##SUFFIX(a[1], xv, LOAD(pk + k * NR + L));                                         \
-                    a[2] = mac_##SUFFIX(a[2], xv, LOAD(pk + k * NR + 2 * L));                                     \
-                    a[3] = mac_##SUFFIX(a[3], xv, LOAD(pk + k * NR + 3 * L));                                     \
-                }                                                                                                 \
-                store_panel_##SUFFIX(y + m * ld_y + p * NR, bp, a, N - p * NR);                                   \
-            }                                                                                                     \
+            for (; m < M; m++) ROW_BLOCK(1, T, V, SUFFIX, L, LOAD)                                                \
         }                                                                                                         \
     }
 
