@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from triton.testing import do_bench
 
 from truespec.kernels import fla_configs
+from truespec.ops.gdn import gdn_recurrent_ref
 
 HEADS, K, V = 16, 128, 128
 
@@ -32,16 +33,12 @@ def inputs(length: int) -> dict[str, torch.Tensor]:
 
 @torch.no_grad()
 def reference(x: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """The recurrence token by token in float64: (o [L, H, V], final state [H, K, V])."""
+    """The recurrence token by token in float64 (``gdn_recurrent_ref``): (o [L, H, V], final state [H, K, V])."""
     q, k, v, g, beta = (x[n].double() for n in ("q", "k", "v", "g", "beta"))
-    state, out = x["h0"].double().clone(), torch.empty_like(v)
-    q = q * K**-0.5
-    for t in range(q.shape[0]):
-        state.mul_(g[t].exp()[:, None, None])
-        u = beta[t][:, None] * (v[t] - torch.einsum("hk,hkv->hv", k[t], state))
-        state.add_(k[t][:, :, None] * u[:, None, :])
-        out[t] = torch.einsum("hk,hkv->hv", q[t], state)
-    return out, state
+    states = torch.stack([x["h0"].double(), torch.zeros_like(x["h0"], dtype=torch.float64)])  # slot 0 in, 1 out
+    meta = [torch.tensor(t, device=q.device) for t in ([0, q.shape[0]], [0], [1], [q.shape[0] - 1])]
+    out = gdn_recurrent_ref(q, k, v, g, beta, states, *meta, scale=K**-0.5, use_qk_l2norm=False)
+    return out, states[1]
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
