@@ -11,13 +11,16 @@ plus 2 x 2 x heads x head_dim x L^2 / 2 per attention layer: causal QK^T and PV)
 
 Stall (``--stall L``): 8 requests decode (64-token prompts, 512 tokens each); once each has 32 tokens an L-token
 prompt arrives. Reported: the decoding requests' inter-token gaps before it arrived and while it was prefilled
-(p50 / p99 / max ms), and its TTFT. Markdown tables last.
+(p50 / p99 / max ms), and its TTFT; ``--stall-runs N`` repeats it (each run reported). ``--log-compiles``: the Triton
+kernels compiled (or loaded from the disk cache) in each phase, with the seconds each took: a kernel first compiled
+inside a measured phase is a stall a user meets too. Markdown tables last.
 """
 
 import argparse
 import json
 import statistics
 import time
+from collections import defaultdict
 
 import torch
 
@@ -45,6 +48,28 @@ def prefill_flops(llm: LLM, length: int) -> float:
     num_attn = sum(t == "full_attention" for t in layer_types)
     head_dim = getattr(cfg, "head_dim", cfg.hidden_size // cfg.num_attention_heads)
     return 2 * params * length + 2 * lm_head + num_attn * 2 * cfg.num_attention_heads * head_dim * length * length
+
+
+class CompileLog:
+    """Triton's JIT hooks: (kernel name, seconds) per phase for every kernel specialisation compiled in-process."""
+
+    def __init__(self) -> None:
+        from triton import knobs
+
+        self.phase, self.started, self.by_phase = "start-up", {}, defaultdict(list)
+        knobs.runtime.jit_cache_hook = self._before
+        knobs.runtime.jit_post_compile_hook = self._after
+
+    def _before(self, *, fn, **_: object) -> None:  # returns None: Triton goes on to compile
+        self.started[fn.name] = time.perf_counter()
+
+    def _after(self, *, fn, **_: object) -> None:
+        now = time.perf_counter()
+        self.by_phase[self.phase].append((fn.name, now - self.started.pop(fn.name, now)))
+
+    def report(self) -> str:
+        return "\n".join(f"compiled during {phase}: " + ", ".join(f"{n} {t:.2f} s" for n, t in items)
+                         for phase, items in self.by_phase.items())  # fmt: skip
 
 
 def ttft(llm: LLM, length: int, batch_size: int, vocab_size: int, repeats: int = 1, warmups: int = 1
@@ -109,6 +134,8 @@ def main() -> None:
                         "long prefills ran up to 2x slower on the H200 for 4-6 runs: BENCHMARKS.md, session 25)")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--stall", type=int, default=None, help="prompt length that arrives while 8 requests decode")
+    parser.add_argument("--stall-runs", type=int, default=1, help="times the stall runs (each reported)")
+    parser.add_argument("--log-compiles", action="store_true", help="list Triton kernels compiled in each phase")
     parser.add_argument("--label", default="")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--dtype", default="bfloat16")
@@ -121,9 +148,18 @@ def main() -> None:
               max_num_seqs=max(args.batch_sizes + [9]), enable_prefix_caching=False,
               long_prefill_token_threshold=args.long_prefill_token_threshold)  # fmt: skip
     vocab = llm.llm_engine.vocab_size
-    rows = {f"{p}/{b}": ttft(llm, p, b, vocab, args.repeats, args.warmups) for p in args.prompts
-            for b in args.batch_sizes}  # fmt: skip
-    stalled = stall(llm, args.stall, vocab) if args.stall else None
+    log = CompileLog() if args.log_compiles else None
+    rows = {}
+    for p in args.prompts:
+        for b in args.batch_sizes:
+            if log:
+                log.phase = f"TTFT {p}/{b}"
+            rows[f"{p}/{b}"] = ttft(llm, p, b, vocab, args.repeats, args.warmups)
+    stalls = []
+    for i in range(args.stall_runs if args.stall else 0):
+        if log:
+            log.phase = f"stall run {i + 1}"
+        stalls.append(stall(llm, args.stall, vocab))
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     print(f"\n{device} {args.label}: TTFT of random prompts ({args.dtype}, prefix caching off)")
     print("| prompt | BS | TTFT ms | batch wall ms | prefill tok/s | TFLOP/s |\n|---:|---:|---:|---:|---:|---:|")
@@ -131,14 +167,15 @@ def main() -> None:
         p, b = key.split("/")
         print(f"| {p} | {b} | {r['ttft_ms']:.1f} | {r['wall_ms']:.1f} | {r['prefill_tok_s']:,.0f} | "
               f"{r['tflops']:.1f} |")
-    if stalled:
-        print(f"\n{args.stall}-token prompt arriving while 8 requests decode: its TTFT {stalled['ttft_ms']:.0f} ms; "
-              f"decode gaps before p50/p99 {stalled['before_p50']:.2f}/{stalled['before_p99']:.2f} ms, during "
-              f"p50/p99/max {stalled['during_p50']:.2f}/{stalled['during_p99']:.2f}/{stalled['during_max']:.2f} ms")
+    for i, st in enumerate(stalls):
+        print(f"\n{args.stall}-token prompt arriving while 8 requests decode (run {i + 1}): its TTFT "
+              f"{st['ttft_ms']:.0f} ms; decode gaps before p50/p99 {st['before_p50']:.2f}/{st['before_p99']:.2f} ms, "
+              f"during p50/p99/max {st['during_p50']:.2f}/{st['during_p99']:.2f}/{st['during_max']:.2f} ms")
+    if log:
+        print("\n" + log.report())
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"device": device, "label": args.label, "ttft": rows, "stall": stalled}, f,
-                      indent=2)  # fmt: skip
+            json.dump({"device": device, "label": args.label, "ttft": rows, "stall": stalls}, f, indent=2)
 
 
 if __name__ == "__main__":

@@ -126,22 +126,33 @@ class GraphRunner:
         the largest step (``max_num_tokens`` rows, and one fewer: Triton specialises integer arguments on
         divisibility by 16) and one row count per matmul tile, so no user's long prompt waits for a Triton compile or
         an fla autotune. ``gdn_chunked`` (a GdnPrefillRule is in force): each row count through the token loop and
-        through fla. Writes KV into blocks 0.. and no recurrent state (slot -1): nothing a request reads before
-        writing it itself."""
+        through fla, and a step of a decode beside a long prompt's chunk (the token loop then takes its gates as
+        tensors: its own kernel variant, compiled in the first such step otherwise, ~1.1 s on an H200). Writes KV
+        into blocks 0.. and no recurrent state (slot -1): nothing a request reads before writing it itself."""
         if self.device.type != "cuda":
             return
         max_num_tokens = min(max_num_tokens, num_blocks * self.block_size)
         sizes = sorted({n for n in (1, 16, 17, 65, 513, max_num_tokens - 1, max_num_tokens) if 0 < n <= max_num_tokens})
         with torch.cuda.device(self.device):
             for n, path in ((n, path) for n in sizes for path in ((False, True) if gdn_chunked else (None,))):
-                row = ContextRow(list(range(-(-n // self.block_size))), 0, n, -1, -1, n - 1, 1,
-                                 n if self.prompt_rows else 0, path)  # a prompt: the target's prefill kernel compiles
-                inputs = build_step([row], [0] * n, list(range(n)), self.block_size, self.device)
-                hidden = (torch.zeros(n, self.hidden_size, dtype=self.hidden_dtype, device=self.device)
-                          if self.uses_hidden else None)
-                with set_forward_context(inputs.ctx):
-                    self._call(inputs, None, hidden)
+                self._warm_up_step([self._warm_up_prompt(n, path)])
+            if gdn_chunked and max_num_tokens > 1:
+                decode = ContextRow([0], 0, 1, -1, -1, 0, 1, 0, False)
+                self._warm_up_step([decode, self._warm_up_prompt(max_num_tokens - 1, True)])
             torch.cuda.synchronize(self.device)
+
+    def _warm_up_prompt(self, n: int, gdn_chunked: bool | None) -> ContextRow:
+        """A prompt of ``n`` tokens from position 0 (the target's prefill kernel compiles), state slot -1."""
+        return ContextRow(list(range(-(-n // self.block_size))), 0, n, -1, -1, n - 1, 1, n if self.prompt_rows else 0,
+                          gdn_chunked)  # fmt: skip
+
+    def _warm_up_step(self, rows: list[ContextRow]) -> None:
+        positions = [row.start + i for row in rows for i in range(row.query_len)]
+        inputs = build_step(rows, [0] * len(positions), positions, self.block_size, self.device)
+        hidden = (torch.zeros(len(positions), self.hidden_size, dtype=self.hidden_dtype, device=self.device)
+                  if self.uses_hidden else None)  # fmt: skip
+        with set_forward_context(inputs.ctx):
+            self._call(inputs, None, hidden)
 
     # ---- one forward ---------------------------------------------------------------------------
     def run(self, rows: list[ContextRow], input_ids: list[int], positions: list[int],
