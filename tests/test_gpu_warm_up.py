@@ -25,7 +25,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not fla_runs(), reason="needs 
 def test_no_kernel_compiles_when_a_long_prompt_joins_running_decodes() -> None:
     from triton import knobs
 
-    llm = LLM(str(DEFAULT_MODEL_DIR), dtype="bfloat16", device="cuda", max_num_seqs=9, enable_prefix_caching=False)
+    llm = LLM(str(DEFAULT_MODEL_DIR), dtype="bfloat16", device="cuda", max_model_len=4096, max_num_seqs=9,
+              enable_prefix_caching=False)
     engine, gen = llm.llm_engine, torch.Generator().manual_seed(0)
 
     def prompt(n: int) -> dict:
