@@ -1,6 +1,7 @@
 """Host vs GPU time of one long prefill's model forward (issue 17): whether the host's launches or the GPU's kernels
 bound it. Each run sends one fresh random prompt (greedy, one output token, prefix caching off) and times the
-model's forward: the host's time to return from it (its launches; no sync after) and the GPU's time between events
+target's forward as the runner makes it (GraphRunner.run: the step's inputs, then the model eagerly or its graphs'
+replays): the host's time to return from it (its launches; no sync after) and the GPU's time between events
 around it. Odd runs queue a ~0.3 s sleep kernel first, so the GPU's time is the kernels' alone (no wait for the
 host); if the host's time then includes the sleep, the forward waits for the GPU somewhere (a sync, or a copy
 from pageable host memory). ``--profile N``: one more GPU-ahead run under cProfile, its N most costly functions by
@@ -30,10 +31,10 @@ def main() -> None:
     llm = LLM(args.model, dtype="bfloat16", device="cuda", max_model_len=args.length + 600, max_num_seqs=9,
               enable_prefix_caching=False)  # fmt: skip
     params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
-    model = llm.llm_engine.runner.model
-    forward, state = model.forward, {"gpu_ahead": False, "marks": [], "profiler": None}
+    graphs = llm.llm_engine.runner.graphs  # its run: the step's inputs, then the forward, eager or replayed
+    forward, state = graphs.run, {"gpu_ahead": False, "marks": [], "profiler": None}
 
-    def timed_forward(*a, **k):  # noqa: ANN002, ANN003, ANN202 - the model's own signature
+    def timed_forward(*a, **k):  # noqa: ANN002, ANN003, ANN202 - GraphRunner.run's own signature
         torch.cuda.synchronize()
         if state["gpu_ahead"]:
             torch.cuda._sleep(int(6e8))  # ~0.3 s of GPU work queued ahead of the forward's launches
@@ -51,7 +52,7 @@ def main() -> None:
         state["marks"].append((1e3 * (t1 - t0), start.elapsed_time(end)))
         return out
 
-    model.forward = timed_forward
+    graphs.run = timed_forward
     print(torch.cuda.get_device_name(), f"{args.length}-token prompts: (host ms, GPU ms) per forward")
     for i in range(args.runs):
         state["gpu_ahead"], state["marks"] = i % 2 == 1, []
