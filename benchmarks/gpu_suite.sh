@@ -103,9 +103,10 @@ if has serve; then
 fi
 if has ttft; then  # issue 17: TTFT of long prompts through the engine, and decode gaps while a 32K prompt arrives
     [ -d $shape ] || timeout 60 python3 benchmarks/qwen35_shape.py --out $shape --device cuda
-    timeout 300 python3 benchmarks/prefill_ttft.py --model $shape --stall 32768 --json "$OUT/prefill_ttft.json" \
+    timeout 300 python3 benchmarks/prefill_ttft.py --model $shape --repeats 3 --stall 32768 --stall-runs 2 --log-compiles \
+        --json "$OUT/prefill_ttft.json" \
         > "$OUT/prefill_ttft.txt" 2>&1
-    tail -12 "$OUT/prefill_ttft.txt"
+    tail -16 "$OUT/prefill_ttft.txt"
 fi
 if has prefill; then
     timeout 200 python3 benchmarks/prefill_attention_speed.py --json "$OUT/prefill_attention_speed.json" \
