@@ -19,18 +19,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers.engine import fla_runs
 from truespec import LLM, SamplingParams
 from truespec.assets import DEFAULT_MODEL_DIR
 from truespec.tokenizer import load_tokenizer
-
-
-def fla_runs() -> bool:
-    if not torch.cuda.is_available():
-        return False
-    from truespec.kernels import gdn_chunked  # triton: only where CUDA is
-
-    return gdn_chunked.is_available()
-
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not fla_runs(), reason="needs CUDA and fla-core")]
 PROMPTS_FILE = Path(__file__).resolve().parents[1] / "benchmarks" / "prompts" / "heldout.jsonl"

@@ -7,17 +7,9 @@ request waited ~1.1 s for it (BENCHMARKS.md, session 27).
 import pytest
 import torch
 
+from helpers.engine import fla_runs
 from truespec import LLM, SamplingParams
 from truespec.assets import DEFAULT_MODEL_DIR
-
-
-def fla_runs() -> bool:
-    if not torch.cuda.is_available():
-        return False
-    from truespec.kernels import gdn_chunked  # triton: only where CUDA is
-
-    return gdn_chunked.is_available()
-
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not fla_runs(), reason="needs CUDA and fla-core")]
 

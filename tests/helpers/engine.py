@@ -11,6 +11,16 @@ from truespec import LLM, SamplingParams
 from truespec.spec_decode.interface import DraftRequest, Drafts
 from truespec.worker.runner_output import ModelRunnerOutput
 
+
+def fla_runs() -> bool:
+    """Whether fla's GDN chunk kernel runs here (CUDA and fla-core: a GdnPrefillRule is in force for bf16 / fp16)."""
+    if not torch.cuda.is_available():
+        return False
+    from truespec.kernels import gdn_chunked  # triton: only where CUDA is
+
+    return gdn_chunked.is_available()
+
+
 # Prompt lengths from a single token to several prefill chunks (the engine tests' max_model_len is 400).
 BATCH_LENGTHS = [1, 2, 5, 17, 40, 64, 129, 200, 300]
 

@@ -60,8 +60,7 @@ def split_packed(buf: torch.Tensor, num_tokens: int, num_reqs: int, width: int) 
     static buffer is split once per capture size and the views reused by every step (``build_step(views=)``)."""
     cuts = _layout(num_tokens, num_reqs, width)
     spans = aligned_spans(cuts)
-    views = [view if n == span else view[:n] for view, n, span in zip(torch.split(buf[:sum(spans)], spans), cuts,
-                                                                          spans, strict=True)]  # fmt: skip
+    views = [view[:n] for view, n in zip(torch.split(buf[:sum(spans)], spans), cuts, strict=True)]
     views[10] = views[10].view(num_reqs, width)
     return views
 
