@@ -118,3 +118,21 @@ def test_long_prompt_tokens_do_not_depend_on_speculation(dtype: str) -> None:
     batch = long_prompts()
     plain = generate([batch], dtype, max_num_batched_tokens=300)
     assert_same(plain, generate([batch], dtype, max_num_batched_tokens=300, speculative_config=NGRAM), "ngram k=8")
+
+
+def test_piecewise_graphs_give_the_eager_prefill_steps_tokens() -> None:
+    """Steps with fla's chunk kernel replay piecewise graphs in FULL mode (worker/piecewise_graphs.py: padded to a
+    bucket, decodes beside a prompt chunk) and run eagerly in FULL_DECODE_ONLY: the same tokens and logprob bits."""
+    batch, runs = long_prompts(), {}
+    for mode in ("FULL", "FULL_DECODE_ONLY"):
+        llm = LLM(str(DEFAULT_MODEL_DIR), dtype="bfloat16", device="cuda", max_model_len=4096, max_num_seqs=4,
+                  max_num_batched_tokens=1536, enable_prefix_caching=False,
+                  compilation_config={"cudagraph_mode": mode})  # fmt: skip
+        outs = llm.generate([{"prompt_token_ids": p} for p in batch], GREEDY, use_tqdm=False)
+        runs[mode] = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
+        stats = llm.llm_engine.runner.graphs.stats
+        assert (stats["piecewise"] > 0) == (mode == "FULL"), stats
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
+    assert_same(runs["FULL_DECODE_ONLY"], runs["FULL"], "piecewise graphs vs eager prefill steps")

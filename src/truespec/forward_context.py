@@ -49,6 +49,9 @@ class ForwardContext:
     gdn_chunked_cpu: list[bool] | None = None
     # every row of this (eager, unpadded) step is a prompt row: the split-KV kernel need not launch at all
     is_prompt_only: bool = False
+    # worker/piecewise_graphs.PieceRecorder while a step with fla's chunk kernel is captured in pieces (or dry-run
+    # before that): the GDN layers end a piece before fla's call and start the next after it. None otherwise.
+    pieces: Any = None
     # What layers derive from the metadata once per forward and share (the CPU path's ops/gdn_batched.StepRows and
     # ops/attention_rows.StepAttentionRows, an eager GPU prefill's kernels/gdn_chunked_plan.ChunkedPlan);
     # emptied whenever the context is set, since a reused context's tensors may have moved in place.

@@ -189,6 +189,7 @@ def causal_conv1d(
     plain_tiles: bool | None = None,
     l2norm_rows: torch.Tensor | None = None,
     l2norm_head_dim: int = 0,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Conv + activation of x [T, C] with weight [C, K] (or nn.Conv1d's [C, 1, K]); updates ``conv_state``
     [num_slots, C, K-1] in place. Returns [T, C] in x's dtype (rows past query_start_loc[R], a graph's
@@ -198,7 +199,8 @@ def causal_conv1d(
     than SMALL_STEP_TOKENS rows). ``l2norm_rows`` ([R], with ``split``): the q and k blocks of the requests it flags
     (nonzero) come L2-normalised per head of ``l2norm_head_dim`` channels (a power of two dividing the q / k widths),
     ``x / sqrt(sum x^2 + 1e-6)`` in fp32 as fla's l2norm, for fla's chunk kernel, the same bits in any step (one tiling
-    for every step size); every other value is as without it."""
+    for every step size); every other value is as without it. ``out``: a contiguous buffer of at least T x C elements
+    of the output dtype to write into (a static one, shared by the layers of a piecewise-captured step)."""
     num_tokens, channels = x.shape
     weight = weight.reshape(channels, -1).contiguous()
     kernel = weight.shape[1]
@@ -212,7 +214,12 @@ def causal_conv1d(
                                     or split[0] % l2norm_head_dim or split[1] % l2norm_head_dim):
         raise ValueError(f"l2norm_rows needs split and a power-of-two head dim dividing the q / k widths, got "
                          f"split={split}, l2norm_head_dim={l2norm_head_dim}")
-    out = torch.empty(num_tokens * channels, dtype=out_dtype or x.dtype, device=x.device)
+    if out is None:
+        out = torch.empty(num_tokens * channels, dtype=out_dtype or x.dtype, device=x.device)
+    elif out.dtype != (out_dtype or x.dtype) or not out.is_contiguous() or out.numel() < num_tokens * channels:
+        raise ValueError(f"out must be a contiguous {out_dtype or x.dtype} buffer of >= {num_tokens * channels} "
+                         "elements")
+    out = out.view(-1)[:num_tokens * channels]
     if split is None:
         out = out.view(num_tokens, channels)
     num_reqs = state_src.shape[0]

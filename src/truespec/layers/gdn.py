@@ -9,6 +9,8 @@ conv window and recurrent state after each query token t >= state_write_start[r]
 ``state_dst[r] + t - state_write_start[r]`` (invariant 2); ``state_dst == -1`` writes nothing.
 """
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
@@ -22,6 +24,9 @@ from truespec.ops.gdn import gdn_gating_ref
 from truespec.ops.gdn_batched import StepRows, causal_conv1d_batched, gdn_recurrent_batched
 from truespec.ops.precision import compute_dtype
 from truespec.ops.state_slots import StateSlots
+
+if TYPE_CHECKING:
+    from truespec.kernels.gdn_chunked_plan import ChunkedPlan
 
 
 def chunked_prefill_min_len(model: nn.Module, device: torch.device) -> int | None:
@@ -147,20 +152,25 @@ class GatedDeltaNet(nn.Module):
         meta = (ctx.query_start_loc, ctx.state_src, ctx.state_dst, ctx.state_write_start)
         mixed_qkv, z, b, a = self.in_proj.split(self.in_proj(x))
         conv = (mixed_qkv, self.conv1d.weight, self.conv_state, *meta, self.hidden_act)
-        if _use_chunked_prefill(x, ctx):  # q, k, v: three contiguous blocks, as fla takes them ...
-            src, dst, write_start = ctx.state_cpu
-            host = {"query_start_loc_cpu": ctx.query_start_loc_cpu, "state_src_cpu": src, "state_dst_cpu": dst,
-                    "state_write_start_cpu": write_start, "is_chunked_cpu": ctx.gdn_chunked_cpu,
-                    "plan_cache": ctx.host_cache}
-            plan = k_ops.gdn_chunked.step_plan(self.ssm_state, self.head_k_dim, *meta, **host)
-            # ... and the chunk kernel's requests' q / k L2-normalised by the conv, not by fla (two launches fewer)
-            normalise = plan.chunked_flags if self.head_k_dim & (self.head_k_dim - 1) == 0 else None
+        pieces = ctx.pieces  # a piecewise capture (worker/piecewise_graphs.py): fla's call between two pieces
+        if pieces is not None or _use_chunked_prefill(x, ctx):  # q, k, v: three contiguous blocks, as fla takes them
+            if pieces is None:
+                flags, conv_out = self._chunked_plan(ctx).chunked_flags, None
+            else:  # what the pieces read of the step's plan, and the conv's output, live in static buffers
+                flags = pieces.chunked_flags(self._chunked_plan)
+                conv_out = pieces.buffer("gdn_conv", x.shape[0] * self.conv_dim, mixed_qkv.dtype)
+            # the chunk kernel's requests' q / k L2-normalised by the conv, not by fla (two launches fewer)
+            normalise = flags if self.head_k_dim & (self.head_k_dim - 1) == 0 else None
             q, k, v = k_ops.causal_conv1d(*conv, split=(self.key_dim, self.key_dim, self.value_dim),
-                                          l2norm_rows=normalise, l2norm_head_dim=self.head_k_dim)  # fmt: skip
+                                          l2norm_rows=normalise, l2norm_head_dim=self.head_k_dim, out=conv_out)
             q, k, v = self._heads(q, k, v)
             g, beta = k_ops.gdn_gating(a, b, self.A_log, self.dt_bias)  # fla's kernel takes the gates as tensors
-            core = k_ops.gdn_chunked.gdn_chunked(q, k, v, g, beta, self.ssm_state, *meta, **host,
-                                                 qk_normalized=normalise is not None)  # fmt: skip
+
+            def chunked_core(step: ForwardContext) -> torch.Tensor:  # the step's host metadata: a replay's own
+                return k_ops.gdn_chunked.gdn_chunked(q, k, v, g, beta, self.ssm_state, *meta, **self._host(step),
+                                                     qk_normalized=normalise is not None)  # fmt: skip
+
+            core = chunked_core(ctx) if pieces is None else pieces.eager(chunked_core)
         else:  # the gates are computed inside the recurrent kernel (bitwise as gdn_gating): one launch fewer
             q, k, v = self._split_heads(k_ops.causal_conv1d(*conv))
             gates = k_ops.GateInputs(a, b, self.A_log, self.dt_bias)
@@ -168,6 +178,18 @@ class GatedDeltaNet(nn.Module):
         v_heads = (self.num_v_heads, self.head_v_dim)
         core = k_ops.rms_norm(core, self.norm.weight, self.norm.eps, gate=z.unflatten(-1, v_heads))
         return self.out_proj(core.reshape(x.shape[0], self.value_dim))
+
+    def _host(self, ctx: ForwardContext) -> dict:
+        """``gdn_chunked``'s host arguments for the step of ``ctx``."""
+        src, dst, write_start = ctx.state_cpu
+        return {"query_start_loc_cpu": ctx.query_start_loc_cpu, "state_src_cpu": src, "state_dst_cpu": dst,
+                "state_write_start_cpu": write_start, "is_chunked_cpu": ctx.gdn_chunked_cpu,
+                "plan_cache": ctx.host_cache}  # fmt: skip
+
+    def _chunked_plan(self, ctx: ForwardContext) -> "ChunkedPlan":
+        """The step's ChunkedPlan (kernels/gdn_chunked_plan.py), built by the first GDN layer, shared by the others."""
+        meta = (ctx.query_start_loc, ctx.state_src, ctx.state_dst, ctx.state_write_start)
+        return kernels().gdn_chunked.step_plan(self.ssm_state, self.head_k_dim, *meta, **self._host(ctx))
 
     def _split_heads(self, conv_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """[T, conv_dim] -> views q, k [T, num_k_heads, head_k_dim] and v [T, num_v_heads, head_v_dim]."""

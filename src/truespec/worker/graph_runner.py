@@ -20,7 +20,8 @@ mode captures two graphs per size, one with the prefill launch and one without, 
 ask for (whether any row has prompt rows is a dispatch key, like the size; the counts themselves live in the static
 buffer). FULL_DECODE_ONLY captures only the graphs without, so a step with prompt rows runs eagerly. A drafter's
 rows all run split-KV, the target's rows it catches up on included (``prompt_rows=False``). A step with a row whose
-GDN recurrence runs fla's chunk kernel (``ContextRow.gdn_chunked``: its launch sizes come from the host) runs eagerly.
+GDN recurrence runs fla's chunk kernel (``ContextRow.gdn_chunked``: its launch sizes come from the host) is never one
+graph: in FULL mode it replays the target's graphs in pieces between fla's calls (piecewise_graphs.py), else eagerly.
 The layers' backend says whether it can run inside a graph at all (layers/backend.py); if not, nothing is
 captured and the log says why. Larger steps run eagerly; ``stats`` counts both kinds.
 """
@@ -34,6 +35,7 @@ import torch
 from truespec.forward_context import set_forward_context
 from truespec.layers.backend import cudagraph_unsupported_reason
 from truespec.worker.input_builder import ContextRow, StepInputs, build_step, packed_size, shift_positions, split_packed
+from truespec.worker.piecewise_graphs import PiecewiseGraphs, bucket_sizes
 
 logger = logging.getLogger("truespec")
 
@@ -71,6 +73,7 @@ class GraphRunner:
         # keyed by (capture size, has prompt rows): FULL mode's steps with prompt rows need the prefill launch
         self.variants = (False, True) if prompt_rows and mode == "FULL" else (False,)
         self.graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.piecewise: PiecewiseGraphs | None = None  # steps with fla's chunk kernel (capture_piecewise)
         self.stats: Counter[str] = Counter()  # "graph" / "eager" forwards
         if not self.sizes:
             return
@@ -119,6 +122,16 @@ class GraphRunner:
                 self.graphs[size, has_prompt_rows] = (graph, out)
         torch.cuda.synchronize(self.device)
 
+    def capture_piecewise(self, max_num_tokens: int, max_num_reqs: int) -> None:
+        """Capture the steps whose GDN prefill runs fla's chunk kernel in pieces (worker/piecewise_graphs.py), up to
+        ``max_num_tokens`` tokens: the target in FULL mode, after ``warm_up``."""
+        sizes = bucket_sizes(max_num_tokens)
+        if self.mode != "FULL" or not self.sizes or not self.prompt_rows or self.uses_hidden or not sizes:
+            return
+        self.piecewise = PiecewiseGraphs(self.model, sizes, max_num_reqs, self.block_size, self.width, self.device)
+        self.piecewise.capture()
+        logger.info("%s: steps with fla's chunk kernel replay piecewise graphs of %s tokens", self.name, sizes)
+
     # ---- warm-up -------------------------------------------------------------------------------
     @torch.inference_mode()
     def warm_up(self, max_num_tokens: int, num_blocks: int, gdn_chunked: bool = False) -> None:
@@ -164,6 +177,11 @@ class GraphRunner:
         stream order, over the host's ``input_ids``). ``shift``: [R] device tensor, request r's positions move
         that far (``shift_positions``)."""
         num_tokens = len(input_ids)
+        if self.piecewise is not None and shift is None and any(row.gdn_chunked for row in rows):
+            size = self.piecewise.bucket(num_tokens, len(rows))  # (a shifted step's GDN layers keep the token loop)
+            if size is not None:
+                self.stats["piecewise"] += 1
+                return self.piecewise.run(rows, input_ids, positions, size, input_ids_from)
         # a drafter reading the target's rows (draft_on_device) runs them all split-KV, prompt rows or not
         has_prompt_rows = self.prompt_rows and any(row.num_prompt_rows for row in rows)
         size = self._graph_size(rows, num_tokens, decode_only, has_prompt_rows)

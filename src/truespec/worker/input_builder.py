@@ -68,17 +68,18 @@ def split_packed(buf: torch.Tensor, num_tokens: int, num_reqs: int, width: int) 
 def build_step(rows: list[ContextRow], input_ids: list[int], positions: list[int], block_size: int,
                device: torch.device, pad_to: int | None = None, width: int | None = None,
                out: torch.Tensor | None = None, staging: torch.Tensor | None = None,
-               views: list[torch.Tensor] | None = None) -> StepInputs:
-    """The step's device tensors. ``pad_to``: the token count (and request count) to pad to; ``width``: block
-    table columns (default: the longest row's); ``out``: a device buffer to write into (a graph's static inputs,
-    at least ``packed_size`` long; of its block table only the real rows' used columns are written);
+               views: list[torch.Tensor] | None = None, pad_reqs_to: int | None = None) -> StepInputs:
+    """The step's device tensors. ``pad_to``: the token count (and request count, unless ``pad_reqs_to``) to pad
+    to; ``width``: block table columns (default: the longest row's); ``out``: a device buffer to write into (a graph's
+    static inputs, at least ``packed_size`` long; of its block table only the real rows' used columns are written);
     ``staging``: a pinned host buffer of the same length for the copy; ``views``: ``split_packed(out, pad_to,
-    pad_to, width)``, if the caller keeps it (saves re-splitting the static buffer every step)."""
+    pad_reqs_to or pad_to, width)``, if the caller keeps it (saves re-splitting the static buffer every step)."""
     num_tokens, num_reqs = len(input_ids), len(rows)
     size_t = num_tokens if pad_to is None else pad_to
-    size_r = num_reqs if pad_to is None else pad_to
+    size_r = num_reqs if pad_to is None else pad_reqs_to or pad_to
     if num_tokens > size_t or num_reqs > size_r:
-        raise ValueError(f"a step of {num_tokens} tokens / {num_reqs} requests does not fit pad_to={pad_to}")
+        raise ValueError(f"a step of {num_tokens} tokens / {num_reqs} requests does not fit pad_to={pad_to} / "
+                         f"pad_reqs_to={pad_reqs_to}")
     width = max((len(row.block_ids) for row in rows), default=0) if width is None else width
     query_start_loc, seq_lens, slot_mapping, logits_indices = [0], [], [], []
     row_end = 0  # the running query_start_loc

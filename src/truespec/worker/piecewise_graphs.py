@@ -1,0 +1,173 @@
+"""Steps whose GDN prefill runs fla's chunk kernel, replayed from CUDA graphs in pieces (issue 17).
+
+fla's launch sizes come from the host (a step's chunk count), so such a step is never one graph (graph_runner.py),
+and run eagerly its forward is bound by the host: ~350 kernel launches from Python for an 8K-token step of the
+Qwen3.5-0.8B shape, ~40-60 ms of host time against ~33 ms of GPU time (BENCHMARKS.md, session 27). Everything in it
+but fla's calls reads device metadata only, so the forward is captured in pieces cut at those calls: piece 1 runs
+from the embedding to the first GDN layer's gates; fla runs eagerly on that layer's q / k / v / g / beta (the conv
+writes q / k / v into one static buffer that every GDN layer shares) and its output is copied into a static tensor;
+piece 2 runs from there to the next GDN layer's gates; and so on (that shape: 18 fla calls between 19 replays). The
+pieces of every bucket share one memory pool: they run on one stream, in capture order, one step at a time.
+
+Buckets are token counts, multiples of 1,024 up to the step budget. A step pads to its bucket with inert rows and to
+``max_num_reqs`` request rows (input_builder.py). fla never sees the padding (the step's plan takes the requests'
+rows), the conv and the token loop leave padding rows to zeros, and every other kernel computes a real row as it
+would in the eager step (the projections are row-invariant), so a replayed step gives the eager step's bits. Two
+variants per bucket, as an eager step chooses: every row a prompt row (the split-KV attention kernel not launched;
+the padding rows' attention output is then never written, and stays in those rows) or not.
+
+Before each capture, a dry run of the same forward with the recorder, fla called in place: every Triton kernel
+variant the pieces launch compiles outside the capture.
+"""
+
+from collections.abc import Callable
+
+import torch
+
+from truespec.forward_context import ForwardContext, get_forward_context, set_forward_context
+from truespec.worker.input_builder import ContextRow, StepInputs, build_step, packed_size, split_packed
+
+BUCKET_TOKENS = 1024  # bucket spacing: a step computes at most 1,023 padding rows
+
+
+def bucket_sizes(max_num_tokens: int, min_tokens: int = BUCKET_TOKENS) -> list[int]:
+    """Multiples of BUCKET_TOKENS from ``min_tokens`` up, and ``max_num_tokens`` itself."""
+    sizes = list(range(-(-min_tokens // BUCKET_TOKENS) * BUCKET_TOKENS, max_num_tokens + 1, BUCKET_TOKENS))
+    return sorted(set(sizes) | {max_num_tokens}) if max_num_tokens >= min_tokens else []
+
+
+class PieceRecorder:
+    """ForwardContext.pieces while a bucket's forward is dry-run or captured: the GDN layers' hooks."""
+
+    def __init__(self, owner: "PiecewiseGraphs", capturing: bool) -> None:
+        self.owner, self.capturing = owner, capturing
+        self.graphs: list[torch.cuda.CUDAGraph] = []
+        self.ops: list[tuple[Callable[[ForwardContext], torch.Tensor], torch.Tensor]] = []  # (fla's call, its output)
+
+    def chunked_flags(self, plan: Callable[[ForwardContext], object]) -> torch.Tensor:
+        """The static [max_num_reqs] flags the conv reads (ChunkedPlan.chunked_flags); ``plan`` builds a step's plan
+        (the first GDN layer's, shared by all), called before each replay to fill them."""
+        self.owner.plan = self.owner.plan or plan
+        return self.owner.flags
+
+    def buffer(self, name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        return self.owner.buffer(name, numel, dtype)
+
+    def begin(self) -> None:
+        graph = torch.cuda.CUDAGraph()
+        graph.capture_begin(pool=self.owner.pool)
+        self.graphs.append(graph)
+
+    def eager(self, fn: Callable[[ForwardContext], torch.Tensor]) -> torch.Tensor:
+        """End the piece, run ``fn`` (fla's call) on the step's context, return its output in a static tensor that
+        the next piece (begun here) reads; at each replay ``fn`` runs again on the replayed step's context."""
+        ctx = get_forward_context()
+        if not self.capturing:
+            return fn(ctx)
+        self.graphs[-1].capture_end()
+        out = fn(ctx)
+        static = self.owner.buffer("eager_out", out.numel(), out.dtype).view(out.shape)
+        static.copy_(out)
+        del out  # freed before the next capture begins
+        self.ops.append((fn, static))
+        self.begin()
+        return static
+
+
+class PiecewiseGraphs:
+    """The target's piecewise graphs: static inputs, buckets, capture and replay (module docstring)."""
+
+    def __init__(self, model: torch.nn.Module, sizes: list[int], max_num_reqs: int, block_size: int, width: int,
+                 device: torch.device, num_staging: int = 2) -> None:  # fmt: skip
+        self.model, self.sizes, self.max_num_reqs = model, sorted(sizes), max_num_reqs
+        self.block_size, self.width, self.device = block_size, width, device
+        length = packed_size(self.sizes[-1], max_num_reqs, width)
+        self._meta = torch.zeros(length, dtype=torch.int64, device=device)
+        self._views = {size: split_packed(self._meta, size, max_num_reqs, width) for size in self.sizes}
+        self._staging = [torch.zeros(length, dtype=torch.int64, pin_memory=True) for _ in range(num_staging)]
+        self._copy_done = [torch.cuda.Event() for _ in range(num_staging)]
+        self._turn = 0
+        self.flags = torch.zeros(max_num_reqs, dtype=torch.int64, device=device)
+        self.plan: Callable[[ForwardContext], object] | None = None
+        self.pool = torch.cuda.graph_pool_handle()
+        self._buffers: dict[str, torch.Tensor] = {}
+        # (bucket, every row a prompt row) -> (pieces, fla's calls with their static outputs, the forward's output)
+        self.captured: dict[tuple[int, bool], tuple[list, list, torch.Tensor]] = {}
+
+    def buffer(self, name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A static buffer shared by every bucket (the largest bucket's size, allocated at its capture)."""
+        buf = self._buffers.get(name)
+        if buf is None or buf.dtype != dtype or buf.numel() < numel:
+            if buf is not None and self.captured:
+                raise RuntimeError(f"piecewise buffer {name!r} grew after a capture (largest bucket first)")
+            buf = self._buffers[name] = torch.empty(numel, dtype=dtype, device=self.device)
+        return buf[:numel]
+
+    def bucket(self, num_tokens: int, num_reqs: int) -> int | None:
+        if num_reqs > self.max_num_reqs:
+            return None
+        return next((s for s in self.sizes if s >= num_tokens), None)
+
+    # ---- capture -------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Dry-run and capture each bucket and variant, largest first."""
+        with torch.cuda.device(self.device):
+            for size in reversed(self.sizes):
+                for prompt_only in (False, True):
+                    self._capture(size, prompt_only)
+            torch.cuda.synchronize(self.device)
+
+    def _capture(self, size: int, prompt_only: bool) -> None:
+        inputs = self._static_inputs([], [], [], size)  # every row inert: the pieces write no KV and no state
+        inputs.ctx.num_prompt_rows = self._views[size][9]  # the prefill kernel's launch (the counts: each step's)
+        inputs.ctx.is_prompt_only = prompt_only
+        inputs.ctx.pieces = PieceRecorder(self, capturing=False)
+        with set_forward_context(inputs.ctx):
+            self.model(inputs.input_ids, inputs.positions)  # compiles every kernel variant outside the capture
+        torch.cuda.synchronize(self.device)
+        recorder = inputs.ctx.pieces = PieceRecorder(self, capturing=True)
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream), set_forward_context(inputs.ctx):
+            recorder.begin()
+            out = self.model(inputs.input_ids, inputs.positions)
+            recorder.graphs[-1].capture_end()
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        torch.cuda.synchronize(self.device)
+        self.captured[size, prompt_only] = (recorder.graphs, recorder.ops, out)
+
+    # ---- replay --------------------------------------------------------------------------------
+    def run(self, rows: list[ContextRow], input_ids: list[int], positions: list[int], size: int,
+            input_ids_from: torch.Tensor | None = None) -> tuple[torch.Tensor, StepInputs]:  # fmt: skip
+        """The final hidden states [T, H] of the step (a fresh tensor) and its inputs, from the bucket ``size``."""
+        num_tokens = len(input_ids)
+        prompt_only = all(row.num_prompt_rows == row.query_len for row in rows)
+        with torch.cuda.device(self.device):
+            turn, self._turn = self._turn, (self._turn + 1) % len(self._staging)
+            self._copy_done[turn].synchronize()  # this staging buffer's last copy has left it
+            inputs = self._static_inputs(rows, input_ids, positions, size, self._staging[turn])
+            self._copy_done[turn].record()
+            if input_ids_from is not None:
+                inputs.input_ids[:num_tokens].copy_(input_ids_from[:num_tokens])
+            with set_forward_context(inputs.ctx):
+                out = self._replay(self.captured[size, prompt_only], inputs.ctx)
+            return out[:num_tokens].clone(), inputs
+
+    def _replay(self, captured: tuple[list, list, torch.Tensor], ctx: ForwardContext) -> torch.Tensor:
+        graphs, ops, out = captured
+        flags = self.plan(ctx).chunked_flags if self.plan else None  # built once for the step's fla calls too
+        self.flags.zero_()
+        if flags is not None:
+            self.flags[:flags.shape[0]].copy_(flags)
+        for graph, op in zip(graphs, ops + [None], strict=True):
+            graph.replay()
+            if op is not None:
+                fn, static = op
+                static.copy_(fn(ctx))
+        return out
+
+    def _static_inputs(self, rows: list[ContextRow], input_ids: list[int], positions: list[int], size: int,
+                       staging: torch.Tensor | None = None) -> StepInputs:  # fmt: skip
+        return build_step(rows, input_ids, positions, self.block_size, self.device, pad_to=size, width=self.width,
+                          out=self._meta, staging=staging, views=self._views[size], pad_reqs_to=self.max_num_reqs)

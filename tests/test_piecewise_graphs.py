@@ -1,0 +1,111 @@
+"""worker/piecewise_graphs.py: steps with fla's chunk kernel replayed in pieces between its calls.
+
+CUDA graphs do not exist on the CPU; what a replay relies on does, and is tested here under the Triton interpreter:
+a GDN layer run with the pieces' recorder (flags and conv output in static buffers, fla's call through the recorder)
+in a step padded to its bucket gives the real rows of the unpadded eager step bit for bit, with the same states, and
+zeros in the padding rows; the static inputs pad requests apart from tokens; the conv writes into a given buffer.
+The GPU test compares whole engines: piecewise graphs (FULL) against eager prefill steps (FULL_DECODE_ONLY).
+"""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"  # before truespec.kernels is imported: see tests/helpers/kernels.py
+
+pytest.importorskip("triton")
+
+from test_gdn_chunked import reference_chunk_kernel  # noqa: E402
+from truespec.forward_context import set_forward_context  # noqa: E402
+from truespec.kernels import causal_conv1d  # noqa: E402
+from truespec.kernels import gdn_chunked as chunked_mod  # noqa: E402
+from truespec.worker.input_builder import ContextRow, build_forward_context, build_step  # noqa: E402
+from truespec.worker.piecewise_graphs import PieceRecorder, bucket_sizes  # noqa: E402
+
+CPU = torch.device("cpu")
+
+
+def test_buckets_are_multiples_of_1024_up_to_the_budget() -> None:
+    assert bucket_sizes(8192) == [1024 * i for i in range(1, 9)]
+    assert bucket_sizes(5000) == [1024, 2048, 3072, 4096, 5000]
+    assert bucket_sizes(512) == [] and bucket_sizes(4096, min_tokens=1500) == [2048, 3072, 4096]
+
+
+def test_static_inputs_pad_requests_apart_from_tokens() -> None:
+    rows = [ContextRow([0, 1], 0, 20, -1, 0, 19, 1, 20, True), ContextRow([2], 3, 1, 4, 4, 0, 1, 0, False)]
+    step = build_step(rows, list(range(21)), list(range(20)) + [3], 16, CPU, pad_to=32, width=4, pad_reqs_to=5)
+    ctx = step.ctx
+    assert step.input_ids.shape[0] == 32 and ctx.slot_mapping[21:].eq(-1).all()
+    assert ctx.query_start_loc.tolist() == [0, 20, 21, 21, 21, 21]
+    assert ctx.state_dst.tolist() == [0, 4, -1, -1, -1] and ctx.block_tables.shape == (5, 4)
+    assert ctx.query_start_loc_cpu == [0, 20, 21] and ctx.gdn_chunked_cpu == [True, False, False, False, False]
+    with pytest.raises(ValueError, match="pad_reqs_to=1"):
+        build_step(rows, list(range(21)), list(range(21)), 16, CPU, pad_to=32, width=4, pad_reqs_to=1)
+
+
+def test_conv_writes_into_a_given_buffer() -> None:
+    gen = torch.Generator().manual_seed(3)
+    x, weight = torch.randn(9, 12, generator=gen), torch.randn(12, 4, generator=gen)
+    state = torch.randn(2, 12, 3, generator=gen)
+    meta = [torch.tensor(v) for v in ([0, 6, 9], [0, -1], [0, 1], [5, 2])]
+    expected = causal_conv1d(x, weight, state.clone(), *meta, split=(4, 4, 4))
+    buffer = torch.full((200,), float("nan"))
+    got = causal_conv1d(x, weight, state.clone(), *meta, split=(4, 4, 4), out=buffer)
+    assert all(torch.equal(a, b) and a.data_ptr() >= buffer.data_ptr() for a, b in zip(got, expected, strict=True))
+    with pytest.raises(ValueError, match="out must be"):
+        causal_conv1d(x, weight, state.clone(), *meta, split=(4, 4, 4), out=torch.empty(100))
+
+
+class _Owner:
+    """PiecewiseGraphs' side of the recorder, without CUDA: static flags and shared buffers."""
+
+    def __init__(self, num_reqs: int) -> None:
+        self.flags, self.plan, self.buffers = torch.full((num_reqs,), 7, dtype=torch.int64), None, {}
+
+    def buffer(self, name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        return self.buffers.setdefault(name, torch.full((numel,), float("nan"), dtype=dtype))[:numel]
+
+
+@torch.no_grad()
+def test_a_padded_step_through_the_pieces_hooks_gives_the_eager_steps_bits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bf16 GDN layer, a flagged prompt chunk beside a decode and a verify: the eager step (unpadded, plan flags)
+    against the same step padded to a bucket (7 more token rows, 2 more requests) through the recorder's hooks, its
+    flags filled from the plan as a replay does: equal rows and states bit for bit, zeros in the padding rows."""
+    from truespec.layers.gdn import GatedDeltaNet
+
+    monkeypatch.setattr(chunked_mod, "_chunk_kernel", lambda: reference_chunk_kernel)
+    monkeypatch.setattr(chunked_mod, "is_available", lambda: True)  # as if fla ran here (on CUDA, not capturing)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    gen = torch.Generator().manual_seed(12)
+    layer = GatedDeltaNet(32, 2, 4, 8, 12, 4, 1e-6, "silu").to(torch.bfloat16)
+    for param in layer.parameters():
+        param.copy_(torch.randn(param.shape, generator=gen) * param.shape[-1] ** -0.5)
+    conv_state = torch.randn(12, layer.conv_dim, 3, generator=gen).to(torch.bfloat16)
+    ssm_state = torch.randn(12, 4, 8, 12, generator=gen) * 0.3
+    rows = [ContextRow([6], 6, 1, 5, 5, 0, 1, 0, False), ContextRow(list(range(5)), 0, 70, -1, 2, 69, 1, 70, True),
+            ContextRow([7], 9, 3, 8, 8, 0, 3, 0, False)]  # fmt: skip
+    num_tokens = 74
+    x = torch.randn(num_tokens + 7, 32, generator=gen).to(torch.bfloat16)
+    results = []
+    for padded in (False, True):
+        layer.conv_state, layer.ssm_state = conv_state.clone(), ssm_state.clone()
+        if padded:
+            step = build_step(rows, [0] * num_tokens, [0] * num_tokens, 16, CPU, pad_to=num_tokens + 7, width=5,
+                              pad_reqs_to=5)  # fmt: skip
+            ctx, owner = step.ctx, _Owner(5)
+            ctx.pieces = PieceRecorder(owner, capturing=False)
+        else:
+            ctx = build_forward_context(rows, 16, CPU)
+        with set_forward_context(ctx):
+            if padded:  # what PiecewiseGraphs._replay does before the first piece
+                owner.flags.zero_()
+                flags = layer._chunked_plan(ctx).chunked_flags
+                owner.flags[:flags.shape[0]].copy_(flags)
+            out = layer._forward_kernels(x if padded else x[:num_tokens], ctx)
+        results.append((out, layer.conv_state, layer.ssm_state))
+    (eager, conv_e, ssm_e), (pieces, conv_p, ssm_p) = results
+    assert owner.plan is not None and "gdn_conv" in owner.buffers  # the hooks were taken
+    assert torch.equal(pieces[:num_tokens], eager) and pieces[num_tokens:].eq(0).all()
+    assert torch.equal(conv_p, conv_e) and torch.equal(ssm_p, ssm_e)
