@@ -27,10 +27,10 @@ from truespec.worker.piecewise_graphs import PieceRecorder, bucket_sizes  # noqa
 CPU = torch.device("cpu")
 
 
-def test_buckets_are_multiples_of_1024_up_to_the_budget() -> None:
-    assert bucket_sizes(8192) == [1024 * i for i in range(1, 9)]
-    assert bucket_sizes(5000) == [1024, 2048, 3072, 4096, 5000]
-    assert bucket_sizes(512) == [] and bucket_sizes(4096, min_tokens=1500) == [2048, 3072, 4096]
+def test_buckets_keep_the_matmul_path_of_the_steps_they_serve() -> None:
+    assert bucket_sizes(8192) == [256, 512] + [1024 * i for i in range(1, 9)]
+    assert bucket_sizes(5000) == [256, 512, 1024, 2048, 3072, 4096, 5000]
+    assert bucket_sizes(512) == [256, 512] and bucket_sizes(300) == [256, 300]
 
 
 def test_static_inputs_pad_requests_apart_from_tokens() -> None:

@@ -49,8 +49,9 @@ def step_attention(
     """Causal attention of q [T, num_heads, head_dim] over the paged ``kv_cache`` (model dtype, or packed in
     ``fmt``): request r's first ``num_prompt_rows[r]`` (device, [R]) query rows by the prefill kernel, its other
     rows by the split-KV kernel with the sparse-V arguments of ``paged_attention``. Rows past
-    ``query_start_loc[-1]`` (padding) come back as zeros. ``is_prompt_only`` (the host knows it: an eager step
-    without padding whose every row is a prompt row; padding rows would be left unwritten): the split-KV kernel,
+    ``query_start_loc[-1]`` (padding) come back as zeros. ``is_prompt_only`` (the host knows it: an eager step, or a
+    piecewise graph's variant, whose every real row is a prompt row; padding rows are then left unwritten, which
+    only row-wise ops read after it, worker/piecewise_graphs.py): the split-KV kernel,
     which would only skip every row, is not launched (at 64 splits its workspace holds ~250 rows, so an 8K-token
     prefill chunk was 33 empty launches a layer, 9% of its GPU time). Returns ``out`` (allocated if None) in q's
     dtype."""

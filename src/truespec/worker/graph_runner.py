@@ -23,7 +23,7 @@ rows all run split-KV, the target's rows it catches up on included (``prompt_row
 GDN recurrence runs fla's chunk kernel (``ContextRow.gdn_chunked``: its launch sizes come from the host) is never one
 graph: in FULL mode it replays the target's graphs in pieces between fla's calls (piecewise_graphs.py), else eagerly.
 The layers' backend says whether it can run inside a graph at all (layers/backend.py); if not, nothing is
-captured and the log says why. Larger steps run eagerly; ``stats`` counts both kinds.
+captured and the log says why. Larger steps run eagerly; ``stats`` counts each kind.
 """
 
 import logging
@@ -74,7 +74,7 @@ class GraphRunner:
         self.variants = (False, True) if prompt_rows and mode == "FULL" else (False,)
         self.graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.piecewise: PiecewiseGraphs | None = None  # steps with fla's chunk kernel (capture_piecewise)
-        self.stats: Counter[str] = Counter()  # "graph" / "eager" forwards
+        self.stats: Counter[str] = Counter()  # "graph" / "piecewise" / "eager" forwards
         if not self.sizes:
             return
         top = self.sizes[-1]

@@ -7,12 +7,15 @@ but fla's calls reads device metadata only, so the forward is captured in pieces
 from the embedding to the first GDN layer's gates; fla runs eagerly on that layer's q / k / v / g / beta (the conv
 writes q / k / v into one static buffer that every GDN layer shares) and its output is copied into a static tensor;
 piece 2 runs from there to the next GDN layer's gates; and so on (that shape: 18 fla calls between 19 replays). The
-pieces of every bucket share one memory pool: they run on one stream, in capture order, one step at a time.
+pieces of every bucket are captured on one stream into one memory pool (the caching allocator reuses a freed block
+only on the stream that freed it), and replay one step at a time, in capture order.
 
-Buckets are token counts, multiples of 1,024 up to the step budget. A step pads to its bucket with inert rows and to
-``max_num_reqs`` request rows (input_builder.py). fla never sees the padding (the step's plan takes the requests'
-rows), the conv and the token loop leave padding rows to zeros, and every other kernel computes a real row as it
-would in the eager step (the projections are row-invariant), so a replayed step gives the eager step's bits. Two
+Buckets are token counts: 256, 512, then multiples of 1,024 up to the step budget (the row-invariant matmul changes
+path above 512 rows, kernels/row_invariant_matmul.py: a bucket takes the path of the eager steps it serves). A step
+pads to its bucket with inert rows and to ``max_num_reqs`` request rows (input_builder.py). fla never sees the padding
+(the step's plan takes the requests' rows), the conv and the token loop leave padding rows to zeros, and every other
+kernel computes a real row as it would in the eager step (with ``batch_invariant=True``, the default, the projections
+do not see the row count), so a replayed step gives the eager step's bits. Two
 variants per bucket, as an eager step chooses: every row a prompt row (the split-KV attention kernel not launched;
 the padding rows' attention output is then never written, and stays in those rows) or not.
 
@@ -27,13 +30,14 @@ import torch
 from truespec.forward_context import ForwardContext, get_forward_context, set_forward_context
 from truespec.worker.input_builder import ContextRow, StepInputs, build_step, packed_size, split_packed
 
-BUCKET_TOKENS = 1024  # bucket spacing: a step computes at most 1,023 padding rows
+BUCKET_TOKENS = 1024  # bucket spacing above SMALL_BUCKETS: a step computes at most 1,023 padding rows
+SMALL_BUCKETS = (256, 512)  # a long prompt's last chunk beside decodes may be short
 
 
-def bucket_sizes(max_num_tokens: int, min_tokens: int = BUCKET_TOKENS) -> list[int]:
-    """Multiples of BUCKET_TOKENS from ``min_tokens`` up, and ``max_num_tokens`` itself."""
-    sizes = list(range(-(-min_tokens // BUCKET_TOKENS) * BUCKET_TOKENS, max_num_tokens + 1, BUCKET_TOKENS))
-    return sorted(set(sizes) | {max_num_tokens}) if max_num_tokens >= min_tokens else []
+def bucket_sizes(max_num_tokens: int) -> list[int]:
+    """SMALL_BUCKETS, multiples of BUCKET_TOKENS, and ``max_num_tokens`` itself, up to ``max_num_tokens``."""
+    sizes = {*SMALL_BUCKETS, *range(BUCKET_TOKENS, max_num_tokens + 1, BUCKET_TOKENS), max_num_tokens}
+    return sorted(s for s in sizes if s <= max_num_tokens)
 
 
 class PieceRecorder:
@@ -100,6 +104,7 @@ class PiecewiseGraphs:
         if buf is None or buf.dtype != dtype or buf.numel() < numel:
             if buf is not None and self.captured:
                 raise RuntimeError(f"piecewise buffer {name!r} grew after a capture (largest bucket first)")
+            assert not torch.cuda.is_current_stream_capturing(), "static buffers are allocated outside captures"
             buf = self._buffers[name] = torch.empty(numel, dtype=dtype, device=self.device)
         return buf[:numel]
 
@@ -111,14 +116,16 @@ class PiecewiseGraphs:
     # ---- capture -------------------------------------------------------------------------------
     @torch.inference_mode()
     def capture(self) -> None:
-        """Dry-run and capture each bucket and variant, largest first."""
+        """Dry-run and capture each bucket and variant, largest first, all on one side stream."""
         with torch.cuda.device(self.device):
+            stream = torch.cuda.Stream(self.device)
             for size in reversed(self.sizes):
                 for prompt_only in (False, True):
-                    self._capture(size, prompt_only)
+                    self._capture(size, prompt_only, stream)
             torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()  # what the captures' eager sections cached on the side stream
 
-    def _capture(self, size: int, prompt_only: bool) -> None:
+    def _capture(self, size: int, prompt_only: bool, stream: torch.cuda.Stream) -> None:
         inputs = self._static_inputs([], [], [], size)  # every row inert: the pieces write no KV and no state
         inputs.ctx.num_prompt_rows = self._views[size][9]  # the prefill kernel's launch (the counts: each step's)
         inputs.ctx.is_prompt_only = prompt_only
@@ -127,12 +134,14 @@ class PiecewiseGraphs:
             self.model(inputs.input_ids, inputs.positions)  # compiles every kernel variant outside the capture
         torch.cuda.synchronize(self.device)
         recorder = inputs.ctx.pieces = PieceRecorder(self, capturing=True)
-        stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream), set_forward_context(inputs.ctx):
-            recorder.begin()
-            out = self.model(inputs.input_ids, inputs.positions)
-            recorder.graphs[-1].capture_end()
+            try:
+                recorder.begin()
+                out = self.model(inputs.input_ids, inputs.positions)
+            finally:  # an error inside a piece must not leave the stream capturing (and hide itself)
+                if torch.cuda.is_current_stream_capturing():
+                    recorder.graphs[-1].capture_end()
         torch.cuda.current_stream(self.device).wait_stream(stream)
         torch.cuda.synchronize(self.device)
         self.captured[size, prompt_only] = (recorder.graphs, recorder.ops, out)
