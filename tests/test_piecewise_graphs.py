@@ -106,6 +106,21 @@ def test_a_padded_step_through_the_pieces_hooks_gives_the_eager_steps_bits(monke
             out = layer._forward_kernels(x if padded else x[:num_tokens], ctx)
         results.append((out, layer.conv_state, layer.ssm_state))
     (eager, conv_e, ssm_e), (pieces, conv_p, ssm_p) = results
-    assert owner.plan is not None and "gdn_conv" in owner.buffers  # the hooks were taken
+    assert owner.plan is not None and {"gdn_conv", "gdn_gates"} <= owner.buffers.keys()  # the hooks were taken
     assert torch.equal(pieces[:num_tokens], eager) and pieces[num_tokens:].eq(0).all()
     assert torch.equal(conv_p, conv_e) and torch.equal(ssm_p, ssm_e)
+
+
+def test_gating_writes_into_a_given_buffer() -> None:
+    from truespec.kernels import gating_buffer_size, gdn_gating
+
+    gen = torch.Generator().manual_seed(4)
+    a, b = torch.randn(7, 3, generator=gen), torch.randn(7, 3, generator=gen)
+    A_log, dt_bias = torch.randn(3, generator=gen), torch.randn(3, generator=gen)  # noqa: N806
+    assert gating_buffer_size(7, 3) == 48  # beta from element 24: 16-byte aligned
+    buffer = torch.full((60,), float("nan"))
+    got, expected = gdn_gating(a, b, A_log, dt_bias, buffer), gdn_gating(a, b, A_log, dt_bias)
+    assert all(torch.equal(x, y) for x, y in zip(got, expected, strict=True))
+    assert got[1].data_ptr() == buffer.data_ptr() + 24 * 4
+    with pytest.raises(ValueError, match="out must be"):
+        gdn_gating(a, b, A_log, dt_bias, torch.empty(40))

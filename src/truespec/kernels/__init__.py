@@ -10,7 +10,7 @@ from truespec.kernels import gdn_chunked
 from truespec.kernels.act_mul import act_mul
 from truespec.kernels.add_rms_norm import add_rms_norm
 from truespec.kernels.causal_conv1d import causal_conv1d
-from truespec.kernels.gdn_gating import gdn_gating
+from truespec.kernels.gdn_gating import gating_buffer_size, gdn_gating
 from truespec.kernels.gdn_recurrent import gdn_recurrent
 from truespec.kernels.kv_store_packed import store_packed
 from truespec.kernels.ngram_match import ngram_step
@@ -54,6 +54,7 @@ __all__ = [
     "add_rms_norm",
     "add_rms_norm_ref",
     "GateInputs",
+    "gating_buffer_size",
     "gdn_gating",
     "gdn_gating_ref",
     "qk_norm_rope",

@@ -66,15 +66,27 @@ def _gdn_gating_kernel(
     tl.store(beta_ptr + token * HV + h, beta, mask=mask)
 
 
+def gating_buffer_size(num_tokens: int, num_heads: int) -> int:
+    """Elements of a ``gdn_gating(out=)`` buffer: g, then beta at a 16-byte aligned offset (fp32: 4 elements)."""
+    return 2 * (-(-num_tokens * num_heads // 4) * 4)
+
+
 def gdn_gating(
-    a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor
+    a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, out: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """a, b [T, HV] (the in_proj_a / in_proj_b outputs, unit last stride, any row stride), A_log, dt_bias
-    [HV], all in the model dtype. Returns (g, beta), each a contiguous [T, HV] in the compute dtype."""
+    [HV], all in the model dtype. Returns (g, beta), each a contiguous [T, HV] in the compute dtype; with ``out`` (a
+    contiguous buffer of at least ``gating_buffer_size(T, HV)`` compute-dtype elements) views of it."""
     GateInputs(a, b, A_log, dt_bias)  # validates
     num_tokens, num_heads = a.shape
-    g = torch.empty(num_tokens, num_heads, dtype=compute_dtype(a.dtype), device=a.device)
-    beta = torch.empty_like(g)
+    if out is None:
+        g = torch.empty(num_tokens, num_heads, dtype=compute_dtype(a.dtype), device=a.device)
+        beta = torch.empty_like(g)
+    else:
+        span = gating_buffer_size(num_tokens, num_heads) // 2
+        if out.dtype != compute_dtype(a.dtype) or not out.is_contiguous() or out.numel() < 2 * span:
+            raise ValueError(f"out must be a contiguous {compute_dtype(a.dtype)} buffer of >= {2 * span} elements")
+        g, beta = (out.view(-1)[i * span:i * span + num_tokens * num_heads].view(num_tokens, num_heads) for i in (0, 1))
     if num_tokens > 0:
         _gdn_gating_kernel[(num_tokens,)](
             g, beta, a, b, A_log, dt_bias, a.stride(0), b.stride(0),

@@ -155,16 +155,18 @@ class GatedDeltaNet(nn.Module):
         pieces = ctx.pieces  # a piecewise capture (worker/piecewise_graphs.py): fla's call between two pieces
         if pieces is not None or _use_chunked_prefill(x, ctx):  # q, k, v: three contiguous blocks, as fla takes them
             if pieces is None:
-                flags, conv_out = self._chunked_plan(ctx).chunked_flags, None
-            else:  # what the pieces read of the step's plan, and the conv's output, live in static buffers
+                flags, conv_out, gates_out = self._chunked_plan(ctx).chunked_flags, None, None
+            else:  # what the pieces read of the step's plan, and fla's inputs, live in static buffers
                 flags = pieces.chunked_flags(self._chunked_plan)
                 conv_out = pieces.buffer("gdn_conv", x.shape[0] * self.conv_dim, mixed_qkv.dtype)
+                gates_out = pieces.buffer("gdn_gates", k_ops.gating_buffer_size(x.shape[0], self.num_v_heads),
+                                          compute_dtype(a.dtype))  # fmt: skip
             # the chunk kernel's requests' q / k L2-normalised by the conv, not by fla (two launches fewer)
             normalise = flags if self.head_k_dim & (self.head_k_dim - 1) == 0 else None
             q, k, v = k_ops.causal_conv1d(*conv, split=(self.key_dim, self.key_dim, self.value_dim),
                                           l2norm_rows=normalise, l2norm_head_dim=self.head_k_dim, out=conv_out)
             q, k, v = self._heads(q, k, v)
-            g, beta = k_ops.gdn_gating(a, b, self.A_log, self.dt_bias)  # fla's kernel takes the gates as tensors
+            g, beta = k_ops.gdn_gating(a, b, self.A_log, self.dt_bias, gates_out)  # fla takes the gates as tensors
 
             def chunked_core(step: ForwardContext) -> torch.Tensor:  # the step's host metadata: a replay's own
                 return k_ops.gdn_chunked.gdn_chunked(q, k, v, g, beta, self.ssm_state, *meta, **self._host(step),

@@ -5,8 +5,9 @@ and run eagerly its forward is bound by the host: ~350 kernel launches from Pyth
 Qwen3.5-0.8B shape, ~40-60 ms of host time against ~33 ms of GPU time (BENCHMARKS.md, session 27). Everything in it
 but fla's calls reads device metadata only, so the forward is captured in pieces cut at those calls: piece 1 runs
 from the embedding to the first GDN layer's gates; fla runs eagerly on that layer's q / k / v / g / beta (the conv
-writes q / k / v into one static buffer that every GDN layer shares) and its output is copied into a static tensor;
-piece 2 runs from there to the next GDN layer's gates; and so on (that shape: 18 fla calls between 19 replays). The
+writes q / k / v, the gating kernel g / beta, into static buffers that every GDN layer shares) and its output is
+copied into a static tensor; piece 2 runs from there to the next GDN layer's gates; and so on (that shape: 18 fla
+calls between 19 replays). The
 pieces of every bucket are captured on one stream into one memory pool (the caching allocator reuses a freed block
 only on the stream that freed it), and replay one step at a time, in capture order.
 
