@@ -69,10 +69,14 @@ class _Owner:
 
 
 @torch.no_grad()
-def test_a_padded_step_through_the_pieces_hooks_gives_the_eager_steps_bits(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A bf16 GDN layer, a flagged prompt chunk beside a decode and a verify: the eager step (unpadded, plan flags)
-    against the same step padded to a bucket (7 more token rows, 2 more requests) through the recorder's hooks, its
-    flags filled from the plan as a replay does: equal rows and states bit for bit, zeros in the padding rows."""
+@pytest.mark.parametrize("flagged", [True, False])
+def test_a_padded_step_through_the_pieces_hooks_gives_the_eager_steps_bits(
+    flagged: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A bf16 GDN layer, a prompt chunk beside a decode and a verify: the eager step (unpadded) against the same step
+    padded to a bucket (7 more token rows, 2 more requests) through the recorder's hooks, its flags filled from the
+    plan as a replay does: equal rows and states bit for bit, zeros in the padding rows. The chunk flagged for fla
+    (eager: the chunked path), or not (eager: the token loop with its gates fused; pieces: gates as tensors)."""
     from truespec.layers.gdn import GatedDeltaNet
 
     monkeypatch.setattr(chunked_mod, "_chunk_kernel", lambda: reference_chunk_kernel)
@@ -84,7 +88,7 @@ def test_a_padded_step_through_the_pieces_hooks_gives_the_eager_steps_bits(monke
         param.copy_(torch.randn(param.shape, generator=gen) * param.shape[-1] ** -0.5)
     conv_state = torch.randn(12, layer.conv_dim, 3, generator=gen).to(torch.bfloat16)
     ssm_state = torch.randn(12, 4, 8, 12, generator=gen) * 0.3
-    rows = [ContextRow([6], 6, 1, 5, 5, 0, 1, 0, False), ContextRow(list(range(5)), 0, 70, -1, 2, 69, 1, 70, True),
+    rows = [ContextRow([6], 6, 1, 5, 5, 0, 1, 0, False), ContextRow(list(range(5)), 0, 70, -1, 2, 69, 1, 70, flagged),
             ContextRow([7], 9, 3, 8, 8, 0, 3, 0, False)]  # fmt: skip
     num_tokens = 74
     x = torch.randn(num_tokens + 7, 32, generator=gen).to(torch.bfloat16)
@@ -102,7 +106,8 @@ def test_a_padded_step_through_the_pieces_hooks_gives_the_eager_steps_bits(monke
             if padded:  # what PiecewiseGraphs._replay does before the first piece
                 owner.flags.zero_()
                 flags = layer._chunked_plan(ctx).chunked_flags
-                owner.flags[:flags.shape[0]].copy_(flags)
+                if flags is not None:
+                    owner.flags[:flags.shape[0]].copy_(flags)
             out = layer._forward_kernels(x if padded else x[:num_tokens], ctx)
         results.append((out, layer.conv_state, layer.ssm_state))
     (eager, conv_e, ssm_e), (pieces, conv_p, ssm_p) = results

@@ -21,7 +21,8 @@ ask for (whether any row has prompt rows is a dispatch key, like the size; the c
 buffer). FULL_DECODE_ONLY captures only the graphs without, so a step with prompt rows runs eagerly. A drafter's
 rows all run split-KV, the target's rows it catches up on included (``prompt_rows=False``). A step with a row whose
 GDN recurrence runs fla's chunk kernel (``ContextRow.gdn_chunked``: its launch sizes come from the host) is never one
-graph: in FULL mode it replays the target's graphs in pieces between fla's calls (piecewise_graphs.py), else eagerly.
+graph: in FULL mode it replays the target's graphs in pieces between fla's calls (piecewise_graphs.py), as do the
+target's steps larger than the largest capture size (where fla is in force), else eagerly.
 The layers' backend says whether it can run inside a graph at all (layers/backend.py); if not, nothing is
 captured and the log says why. Larger steps run eagerly; ``stats`` counts each kind.
 """
@@ -177,8 +178,11 @@ class GraphRunner:
         stream order, over the host's ``input_ids``). ``shift``: [R] device tensor, request r's positions move
         that far (``shift_positions``)."""
         num_tokens = len(input_ids)
-        if self.piecewise is not None and shift is None and any(row.gdn_chunked for row in rows):
-            size = self.piecewise.bucket(num_tokens, len(rows))  # (a shifted step's GDN layers keep the token loop)
+        # piecewise: steps with fla's chunk kernel, and every step above the full graphs' sizes (a shifted step's GDN
+        # layers keep the token loop: its host metadata no longer holds)
+        if self.piecewise is not None and shift is None and (
+                num_tokens > self.sizes[-1] or any(row.gdn_chunked for row in rows)):
+            size = self.piecewise.bucket(num_tokens, len(rows))
             if size is not None:
                 self.stats["piecewise"] += 1
                 return self.piecewise.run(rows, input_ids, positions, size, input_ids_from)

@@ -20,6 +20,11 @@ do not see the row count), so a replayed step gives the eager step's bits. Two
 variants per bucket, as an eager step chooses: every row a prompt row (the split-KV attention kernel not launched;
 the padding rows' attention output is then never written, and stays in those rows) or not.
 
+The target's other steps above the full graphs' largest size (graph_runner.py, 512 tokens by default: short prompts
+batched together, a long prompt's last chunk, verifies of many requests) replay the same pieces: for them every GDN
+layer's call between two pieces is the token loop alone (``gdn_chunked`` without a chunked request; g / beta as
+tensors, the bits of the fused-gates launch an eager step makes).
+
 Before each capture, a dry run of the same forward with the recorder, fla called in place: every Triton kernel
 variant the pieces launch compiles outside the capture.
 """
