@@ -236,12 +236,28 @@ def test_the_layer_follows_the_rule_flags_instead_of_the_chunk_length(monkeypatc
     assert not uses_fla(5, True, torch.float32) and not uses_fla(2000, None, torch.float64)
 
 
+def bf16_layer_with_chunk_kernel(monkeypatch: pytest.MonkeyPatch, kernel: object, num_slots: int, seed: int
+                                 ) -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor, torch.Generator]:  # fmt: skip
+    """A random bf16 GDN layer (2 k-heads, 4 v-heads of 8 / 12), its conv and recurrent states in ``num_slots`` slots
+    and the generator that made them; the chunk kernel replaced by ``kernel``, as if fla ran here (CUDA, no capture)."""
+    from truespec.layers.gdn import GatedDeltaNet
+
+    monkeypatch.setattr(chunked_mod, "_chunk_kernel", lambda: kernel)
+    monkeypatch.setattr(chunked_mod, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    gen = torch.Generator().manual_seed(seed)
+    layer = GatedDeltaNet(32, 2, 4, 8, 12, 4, 1e-6, "silu").to(torch.bfloat16)
+    for param in layer.parameters():
+        param.copy_(torch.randn(param.shape, generator=gen) * param.shape[-1] ** -0.5)
+    conv_state = torch.randn(num_slots, layer.conv_dim, 3, generator=gen).to(torch.bfloat16)
+    return layer, conv_state, torch.randn(num_slots, 4, 8, 12, generator=gen) * 0.3, gen
+
+
 @torch.no_grad()
 def test_the_layer_normalises_the_chunk_kernels_q_and_k_in_its_conv(monkeypatch: pytest.MonkeyPatch) -> None:
     """A bf16 GDN layer's step with a flagged prompt chunk beside a decode: the conv hands the chunk kernel its rows'
     q and k L2-normalised (unit heads; fla asked not to normalise again), the decode's rows the plain values, and the
     layer's output and states agree with the token loop's for every request (the decode's bit for bit)."""
-    from truespec.layers.gdn import GatedDeltaNet
     from truespec.worker.input_builder import ContextRow, build_forward_context
 
     calls = []
@@ -250,15 +266,7 @@ def test_the_layer_normalises_the_chunk_kernels_q_and_k_in_its_conv(monkeypatch:
         calls.append((q, k, kwargs["use_qk_l2norm_in_kernel"]))
         return reference_chunk_kernel(q, k, *args, **kwargs)
 
-    monkeypatch.setattr(chunked_mod, "_chunk_kernel", lambda: recording_kernel)
-    monkeypatch.setattr(chunked_mod, "is_available", lambda: True)  # as if fla ran here (on CUDA, not capturing)
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-    gen = torch.Generator().manual_seed(11)
-    layer = GatedDeltaNet(32, 2, 4, 8, 12, 4, 1e-6, "silu").to(torch.bfloat16)
-    for param in layer.parameters():
-        param.copy_(torch.randn(param.shape, generator=gen) * param.shape[-1] ** -0.5)
-    conv_state = torch.randn(8, layer.conv_dim, 3, generator=gen).to(torch.bfloat16)
-    ssm_state = torch.randn(8, 4, 8, 12, generator=gen) * 0.3
+    layer, conv_state, ssm_state, gen = bf16_layer_with_chunk_kernel(monkeypatch, recording_kernel, 8, seed=11)
     rows = [ContextRow(list(range(5)), 0, 70, -1, 2, 69, 1, 70, True), ContextRow([5], 5, 1, 5, 5, 0, 1, 0, False)]
     x = torch.randn(71, 32, generator=gen).to(torch.bfloat16)
     outs, states = [], []

@@ -17,10 +17,9 @@ if not torch.cuda.is_available():
 
 pytest.importorskip("triton")
 
-from test_gdn_chunked import reference_chunk_kernel  # noqa: E402
+from test_gdn_chunked import bf16_layer_with_chunk_kernel, reference_chunk_kernel  # noqa: E402
 from truespec.forward_context import set_forward_context  # noqa: E402
 from truespec.kernels import causal_conv1d  # noqa: E402
-from truespec.kernels import gdn_chunked as chunked_mod  # noqa: E402
 from truespec.worker.input_builder import ContextRow, build_forward_context, build_step  # noqa: E402
 from truespec.worker.piecewise_graphs import PieceRecorder, bucket_sizes  # noqa: E402
 
@@ -77,17 +76,7 @@ def test_a_padded_step_through_the_pieces_hooks_gives_the_eager_steps_bits(
     padded to a bucket (7 more token rows, 2 more requests) through the recorder's hooks, its flags filled from the
     plan as a replay does: equal rows and states bit for bit, zeros in the padding rows. The chunk flagged for fla
     (eager: the chunked path), or not (eager: the token loop with its gates fused; pieces: gates as tensors)."""
-    from truespec.layers.gdn import GatedDeltaNet
-
-    monkeypatch.setattr(chunked_mod, "_chunk_kernel", lambda: reference_chunk_kernel)
-    monkeypatch.setattr(chunked_mod, "is_available", lambda: True)  # as if fla ran here (on CUDA, not capturing)
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-    gen = torch.Generator().manual_seed(12)
-    layer = GatedDeltaNet(32, 2, 4, 8, 12, 4, 1e-6, "silu").to(torch.bfloat16)
-    for param in layer.parameters():
-        param.copy_(torch.randn(param.shape, generator=gen) * param.shape[-1] ** -0.5)
-    conv_state = torch.randn(12, layer.conv_dim, 3, generator=gen).to(torch.bfloat16)
-    ssm_state = torch.randn(12, 4, 8, 12, generator=gen) * 0.3
+    layer, conv_state, ssm_state, gen = bf16_layer_with_chunk_kernel(monkeypatch, reference_chunk_kernel, 12, seed=12)
     rows = [ContextRow([6], 6, 1, 5, 5, 0, 1, 0, False), ContextRow(list(range(5)), 0, 70, -1, 2, 69, 1, 70, flagged),
             ContextRow([7], 9, 3, 8, 8, 0, 3, 0, False)]  # fmt: skip
     num_tokens = 74
