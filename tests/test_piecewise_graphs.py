@@ -118,3 +118,20 @@ def test_gating_writes_into_a_given_buffer() -> None:
     assert got[1].data_ptr() == buffer.data_ptr() + 24 * 4
     with pytest.raises(ValueError, match="out must be"):
         gdn_gating(a, b, A_log, dt_bias, torch.empty(40))
+
+
+def test_static_inputs_fill_one_buffer_through_each_sizes_views() -> None:
+    """worker/static_inputs.py (the full graphs' and the piecewise graphs' inputs): every size's views cut one buffer;
+    a step written into them is what build_step makes of it unpadded, padding inert."""
+    from truespec.worker.static_inputs import StaticInputs
+
+    inputs = StaticInputs([8, 32], width=4, block_size=16, device=CPU, num_staging=0, num_reqs=3)
+    rows = [ContextRow([0, 1], 0, 20, -1, 0, 19, 1, 20, True), ContextRow([2], 3, 1, 4, 4, 0, 1, 0, False)]
+    ids, pos = list(range(21)), list(range(20)) + [3]
+    step, plain = inputs.build(rows, ids, pos, 32), build_step(rows, ids, pos, 16, CPU)
+    assert step.input_ids.data_ptr() == inputs.buffer.data_ptr() and step.input_ids.shape[0] == 32
+    assert torch.equal(step.input_ids[:21], plain.input_ids) and step.ctx.slot_mapping[21:].eq(-1).all()
+    assert torch.equal(step.ctx.slot_mapping[:21], plain.ctx.slot_mapping)
+    assert step.ctx.query_start_loc.tolist() == [0, 20, 21, 21] and step.ctx.state_dst.tolist() == [0, 4, -1]
+    small = inputs.build(rows[1:], [7], [3], 8)
+    assert small.input_ids.tolist() == [7] + [0] * 7 and small.ctx.query_start_loc.tolist() == [0, 1, 1, 1]

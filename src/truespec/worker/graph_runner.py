@@ -35,8 +35,9 @@ import torch
 
 from truespec.forward_context import set_forward_context
 from truespec.layers.backend import cudagraph_unsupported_reason
-from truespec.worker.input_builder import ContextRow, StepInputs, build_step, packed_size, shift_positions, split_packed
+from truespec.worker.input_builder import ContextRow, StepInputs, build_step, shift_positions
 from truespec.worker.piecewise_graphs import PiecewiseGraphs, bucket_sizes
+from truespec.worker.static_inputs import StaticInputs
 
 logger = logging.getLogger("truespec")
 
@@ -79,14 +80,7 @@ class GraphRunner:
         if not self.sizes:
             return
         top = self.sizes[-1]
-        length = packed_size(top, top, self.width)
-        self._meta = torch.zeros(length, dtype=torch.int64, device=device)
-        # pinned host buffers for the metadata copies, used in turn: the host reuses one only after its copy has
-        # left it, so it may queue up to ``num_staging`` forwards ahead of the device without waiting
-        self._staging = [torch.zeros(length, dtype=torch.int64, pin_memory=True) for _ in range(num_staging)]
-        self._copy_done = [torch.cuda.Event() for _ in range(num_staging)]
-        self._turn = 0
-        self._views = {size: split_packed(self._meta, size, size, self.width) for size in self.sizes}
+        self._inputs = StaticInputs(self.sizes, self.width, self.block_size, device, num_staging)
         self._hidden = torch.zeros(top, hidden_size, dtype=hidden_dtype, device=device) if self.uses_hidden else None
         eager = "steps with prefill chunks or prompt rows, and " if mode == "FULL_DECODE_ONLY" else ""
         logger.info("%s: cudagraph_mode=%s, capture sizes %s; %ssteps over %d tokens run eagerly",
@@ -110,9 +104,9 @@ class GraphRunner:
         pool = None
         for size in reversed(self.sizes):
             for has_prompt_rows in self.variants:
-                inputs = self._static_inputs([], [], [], size)
+                inputs = self._inputs.build([], [], [], size, staged=False)
                 if has_prompt_rows:  # the static counts (all 0 now) are the step's when it replays
-                    inputs.ctx.num_prompt_rows = self._views[size][9]
+                    inputs.ctx.num_prompt_rows = self._inputs.views[size][9]
                 with set_forward_context(inputs.ctx):
                     self._call(inputs, size)  # compile / autotune the kernels outside the capture
                     torch.cuda.synchronize(self.device)
@@ -200,10 +194,7 @@ class GraphRunner:
                 return self._call(inputs, None, hidden), inputs
         self.stats["graph"] += 1
         with torch.cuda.device(self.device):  # the stream of this device, also for device="cuda:N"
-            turn, self._turn = self._turn, (self._turn + 1) % len(self._staging)
-            self._copy_done[turn].synchronize()  # this staging buffer's last copy has left it
-            inputs = self._static_inputs(rows, input_ids, positions, size, self._staging[turn])
-            self._copy_done[turn].record()
+            inputs = self._inputs.build(rows, input_ids, positions, size)
             self._device_inputs(inputs, num_tokens, len(rows), input_ids_from, shift)
             if hidden is not None:
                 self._hidden[:len(input_ids)].copy_(hidden)
@@ -228,11 +219,6 @@ class GraphRunner:
         if has_prompt_rows not in self.variants:  # FULL_DECODE_ONLY: a 1-token last prompt chunk runs eagerly
             return None
         return next((s for s in self.sizes if s >= num_tokens), None)
-
-    def _static_inputs(self, rows: list[ContextRow], input_ids: list[int], positions: list[int],
-                       size: int, staging: torch.Tensor | None = None) -> StepInputs:
-        return build_step(rows, input_ids, positions, self.block_size, self.device, pad_to=size, width=self.width,
-                          out=self._meta, staging=staging, views=self._views[size])
 
     def _call(self, inputs: StepInputs, size: int | None, hidden: torch.Tensor | None = None) -> torch.Tensor:
         if not self.uses_hidden:

@@ -34,7 +34,8 @@ from collections.abc import Callable
 import torch
 
 from truespec.forward_context import ForwardContext, get_forward_context, set_forward_context
-from truespec.worker.input_builder import ContextRow, StepInputs, build_step, packed_size, split_packed
+from truespec.worker.input_builder import ContextRow, StepInputs
+from truespec.worker.static_inputs import StaticInputs
 
 BUCKET_TOKENS = 1024  # bucket spacing above SMALL_BUCKETS: a step computes at most 1,023 padding rows
 SMALL_BUCKETS = (256, 512)  # a long prompt's last chunk beside decodes may be short
@@ -90,13 +91,8 @@ class PiecewiseGraphs:
     def __init__(self, model: torch.nn.Module, sizes: list[int], max_num_reqs: int, block_size: int, width: int,
                  device: torch.device, num_staging: int = 2) -> None:  # fmt: skip
         self.model, self.sizes, self.max_num_reqs = model, sorted(sizes), max_num_reqs
-        self.block_size, self.width, self.device = block_size, width, device
-        length = packed_size(self.sizes[-1], max_num_reqs, width)
-        self._meta = torch.zeros(length, dtype=torch.int64, device=device)
-        self._views = {size: split_packed(self._meta, size, max_num_reqs, width) for size in self.sizes}
-        self._staging = [torch.zeros(length, dtype=torch.int64, pin_memory=True) for _ in range(num_staging)]
-        self._copy_done = [torch.cuda.Event() for _ in range(num_staging)]
-        self._turn = 0
+        self.device = device
+        self._inputs = StaticInputs(self.sizes, width, block_size, device, num_staging, num_reqs=max_num_reqs)
         self.flags = torch.zeros(max_num_reqs, dtype=torch.int64, device=device)
         self.plan: Callable[[ForwardContext], object] | None = None
         self.pool = torch.cuda.graph_pool_handle()
@@ -132,8 +128,8 @@ class PiecewiseGraphs:
             torch.cuda.empty_cache()  # what the captures' eager sections cached on the side stream
 
     def _capture(self, size: int, prompt_only: bool, stream: torch.cuda.Stream) -> None:
-        inputs = self._static_inputs([], [], [], size)  # every row inert: the pieces write no KV and no state
-        inputs.ctx.num_prompt_rows = self._views[size][9]  # the prefill kernel's launch (the counts: each step's)
+        inputs = self._inputs.build([], [], [], size, staged=False)  # every row inert: no KV, no state written
+        inputs.ctx.num_prompt_rows = self._inputs.views[size][9]  # the prefill launch (its counts: each step's)
         inputs.ctx.is_prompt_only = prompt_only
         inputs.ctx.pieces = PieceRecorder(self, capturing=False)
         with set_forward_context(inputs.ctx):
@@ -159,10 +155,7 @@ class PiecewiseGraphs:
         num_tokens = len(input_ids)
         prompt_only = all(row.num_prompt_rows == row.query_len for row in rows)
         with torch.cuda.device(self.device):
-            turn, self._turn = self._turn, (self._turn + 1) % len(self._staging)
-            self._copy_done[turn].synchronize()  # this staging buffer's last copy has left it
-            inputs = self._static_inputs(rows, input_ids, positions, size, self._staging[turn])
-            self._copy_done[turn].record()
+            inputs = self._inputs.build(rows, input_ids, positions, size)
             if input_ids_from is not None:
                 inputs.input_ids[:num_tokens].copy_(input_ids_from[:num_tokens])
             with set_forward_context(inputs.ctx):
@@ -181,8 +174,3 @@ class PiecewiseGraphs:
                 fn, static = op
                 static.copy_(fn(ctx))
         return out
-
-    def _static_inputs(self, rows: list[ContextRow], input_ids: list[int], positions: list[int], size: int,
-                       staging: torch.Tensor | None = None) -> StepInputs:  # fmt: skip
-        return build_step(rows, input_ids, positions, self.block_size, self.device, pad_to=size, width=self.width,
-                          out=self._meta, staging=staging, views=self._views[size], pad_reqs_to=self.max_num_reqs)
