@@ -68,6 +68,8 @@ class CompileLog:
         self.by_phase[self.phase].append((fn.name, now - self.started.pop(fn.name, now)))
 
     def report(self) -> str:
+        if not self.by_phase:
+            return "no Triton kernel compiled after start-up"
         return "\n".join(f"compiled during {phase}: " + ", ".join(f"{n} {t:.2f} s" for n, t in items)
                          for phase, items in self.by_phase.items())  # fmt: skip
 
