@@ -413,6 +413,35 @@ def test_joining_a_queued_verify_near_max_tokens(method: str) -> None:
     assert_all_free(llm)
 
 
+def test_long_prompts_under_a_gdn_rule_join_only_steps_planned_on_the_host(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under a GdnPrefillRule (fla runs long prompts' GDN prefill; forced here on a CPU engine, whose float64 layers
+    keep the token loop) a long prompt never joins a verify queued ahead: a moved step keeps no host copy of the
+    positions and state sources fla's call plans from, so its chunk would take the token loop (verify_plan.py).
+    Short prompts still join; the tokens are those of the run without speculation; nothing leaks."""
+    import truespec.engine.llm_engine as llm_engine
+
+    prompts = random_prompts([20, 90, 30, 130, 25, 70, 40, 100, 35], seed=7)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    base = LLM(str(DEFAULT_MODEL_DIR), dtype="float64", device="cpu", max_model_len=256)
+    reference = [o.outputs[0].token_ids for o in base.generate(prompts, params, use_tqdm=False)]
+    monkeypatch.setattr(llm_engine, "chunked_prefill_min_len", lambda model, device: 64)  # long: 64+ tokens
+    llm = spec_engine("mtp", True, max_model_len=256, max_num_seqs=3, enable_prefix_caching=False)
+    scheduler = llm.llm_engine.scheduler
+    assert scheduler.gdn_rule is not None and scheduler.gdn_rule.is_long(64)
+    joined, plan_ahead = [], scheduler.schedule_verify_ahead
+
+    def recording(plans: list, may_admit: object = None) -> object:
+        out = plan_ahead(plans, may_admit)
+        if out is not None:
+            joined.extend(r.prompt_len for r in out.scheduled[len(plans):])
+        return out
+
+    monkeypatch.setattr(scheduler, "schedule_verify_ahead", recording)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == reference
+    assert joined and all(n < 64 for n in joined)  # short prompts joined verifies queued ahead, long ones never
+    assert_all_free(llm)
+
+
 def test_prompt_blocks_are_cached_when_the_next_verify_is_queued_ahead() -> None:
     """After a prompt's last chunk the next verify is planned before the step's tokens are read: the prompt's blocks
     are cached all the same (a dense target whose draft model drafts on the device), so the same prompt with two

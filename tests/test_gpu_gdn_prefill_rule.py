@@ -5,8 +5,8 @@ long_prefill_token_threshold, prefix caching or speculation.
 The embedded hybrid model in bf16 (default CUDA graphs), prompts of 1100-2500 tokens cut from the held-out code (and
 two short ones beside them), 32 greedy tokens each: (a) max_num_batched_tokens 8192 vs 300 vs
 long_prefill_token_threshold 128; (b) prefix caching on vs off, with prompts sharing prefixes and a next turn;
-(c) ngram k=8 vs no speculation, in bf16 and fp16. Every run must have sent prompt chunks to fla's chunk kernel
-(counted).
+(c) ngram k=8 vs no speculation, in bf16 and fp16; (d) MTP k=3 vs none, requests joining others' verifies. Every
+run must have sent prompt chunks to fla's chunk kernel (counted).
 """
 
 import gc
@@ -30,6 +30,7 @@ PROMPTS_FILE = Path(__file__).resolve().parents[1] / "benchmarks" / "prompts" / 
 GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=5)
 LENGTHS = [1100, 2500, 1537, 2047, 1301, 1800]  # long prompts (>= 1024 tokens), cut anywhere by the budgets
 NGRAM = {"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_min": 2}
+MTP = {"method": "mtp", "num_speculative_tokens": 3}
 
 
 def held_out_ids() -> list[int]:
@@ -68,7 +69,8 @@ def counting_fla_calls() -> Iterator[Counter[str]]:
         gdn_chunked._chunk_kernel = real
 
 
-def generate(batches: list[list[list[int]]], dtype: str = "bfloat16", **kwargs: object) -> list[tuple[list[int], list]]:
+def generate(batches: list[list[list[int]]], dtype: str = "bfloat16", params: SamplingParams = GREEDY,
+             **kwargs: object) -> list[tuple[list[int], list]]:  # fmt: skip
     """(greedy tokens, their top-5 logprobs) of each batch in turn (one engine: a later batch may reuse what an
     earlier one cached)."""
     llm = LLM(str(DEFAULT_MODEL_DIR), dtype=dtype, device="cuda", max_model_len=4096, max_num_seqs=4, **kwargs)
@@ -76,7 +78,7 @@ def generate(batches: list[list[list[int]]], dtype: str = "bfloat16", **kwargs: 
     tokens = []
     with counting_fla_calls() as counts:
         for batch in batches:
-            outs = llm.generate([{"prompt_token_ids": p} for p in batch], GREEDY, use_tqdm=False)
+            outs = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
             tokens += [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
     assert counts["fla"] > 0, "no prompt chunk went through fla's chunk kernel"
     del llm
@@ -118,6 +120,17 @@ def test_long_prompt_tokens_do_not_depend_on_speculation(dtype: str) -> None:
     batch = long_prompts()
     plain = generate([batch], dtype, max_num_batched_tokens=300)
     assert_same(plain, generate([batch], dtype, max_num_batched_tokens=300, speculative_config=NGRAM), "ngram k=8")
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_long_prompts_joining_a_model_drafters_batch_keep_their_tokens(dtype: str) -> None:
+    """MTP k=3 vs no speculation, greedy without logprobs (so waiting requests may join verifies queued ahead), 8
+    prompts through 4 request slots: the requests that join while others verify get the same tokens (a long prompt
+    joins only a step planned on the host, engine/verify_plan.py: in a moved step its chunk would miss fla)."""
+    batch = long_prompts()
+    tokens_only = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    plain = generate([batch], dtype, tokens_only)
+    assert_same(plain, generate([batch], dtype, tokens_only, speculative_config=MTP), "mtp k=3")
 
 
 def test_piecewise_graphs_give_the_eager_prefill_steps_tokens() -> None:

@@ -9,7 +9,10 @@
   are dropped like those of a request that hit a stop token; if not, it accepted too few for its row to pass its
   last position, so its move is capped there (and its blocks with it).
 - With a drafter that drafts behind prompts (a model drafter), waiting requests join (``may_admit``: greedy, no
-  logprobs or structured outputs): their prompt chunks, whose ids the host knows, follow the verifies, not moved.
+  logprobs or structured outputs, not a long prompt under a GdnPrefillRule): their prompt chunks, whose ids the host
+  knows, follow the verifies, not moved. (A moved step keeps no host copy of its positions and state sources, which
+  fla's call plans from, so its GDN layers run the token loop: a long prompt's chunk there would not get the fla bits
+  its chunks get everywhere else, core/gdn_prefill_rule.py.)
   One that could join but does not fit (the step's budget, KV blocks) makes the next such step planned on the host,
   which admits it as ``Scheduler.schedule`` does.
 No plan (None) when a request is not in ``launched``, one has structured outputs or min_tokens still due, a waiting
@@ -18,9 +21,11 @@ request may not join, or the blocks do not fit: the next step is then planned on
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
+from truespec.core.gdn_prefill_rule import GdnPrefillRule
 from truespec.core.scheduler import Scheduler
 from truespec.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from truespec.core.sequence import Sequence
@@ -52,14 +57,16 @@ def going_on(launched: LaunchedStep, seqs: dict[str, Sequence],
     return (rows, kept) if kept and kept == running else None
 
 
-def may_admit(seq: Sequence, num_tokens: int) -> bool:
+def may_admit(seq: Sequence, num_tokens: int, gdn_rule: GdnPrefillRule | None = None) -> bool:
     """Whether a waiting request may join a verify queued ahead with ``num_tokens`` of its prompt: greedy without
-    logprobs or structured outputs and no drafts (a re-prefill's). When the chunk is its prompt's last (the rest
-    after a cached prefix), the drafter drafts behind the step on the device too (``_drafts_on_device``) and the
-    step after it is queued ahead again; after an earlier chunk the proposer drafts on the host."""
+    logprobs or structured outputs, no drafts (a re-prefill's), and not long under ``gdn_rule`` (its chunks run fla,
+    which a moved step cannot: module docstring). When the chunk is its prompt's last (the rest after a cached
+    prefix), the drafter drafts behind the step on the device too (``_drafts_on_device``) and the step after it is
+    queued ahead again; after an earlier chunk the proposer drafts on the host."""
     p = seq.params
     return (num_tokens > 0 and not seq.draft_token_ids and p.is_greedy and p.logprobs is None
-            and p.prompt_logprobs is None and p.structured_outputs is None)
+            and p.prompt_logprobs is None and p.structured_outputs is None
+            and (gdn_rule is None or not gdn_rule.is_long(seq.prompt_len)))
 
 
 def plan_verify(scheduler: Scheduler, seqs: dict[str, Sequence], drafter: DeviceDrafter,
@@ -71,7 +78,7 @@ def plan_verify(scheduler: Scheduler, seqs: dict[str, Sequence], drafter: Device
     if found is None:
         return None, False
     kept, goers = found
-    admit = may_admit if drafter.drafts_after_prompts else None
+    admit = partial(may_admit, gdn_rule=scheduler.gdn_rule) if drafter.drafts_after_prompts else None
     first = scheduler.waiting[0] if scheduler.waiting else None
     if first is not None and len(scheduler.running) < scheduler.max_num_seqs and (
             host_admits or admit is None or not admit(first, first.num_uncomputed_tokens)):
