@@ -27,6 +27,23 @@ from truespec.worker.model_runner import ModelRunner  # noqa: E402
 CPU = torch.device("cpu")
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_an_eager_steps_inputs_go_to_the_device_without_waiting_for_it() -> None:
+    """An eager step's packed inputs (no static buffer) go through pinned memory: a copy from pageable memory would
+    wait for every kernel queued before it (torch's sync debug mode raises on such a copy), and equal the CPU's."""
+    rows = [ContextRow([3, 4, 5], 14, 3, 5, 6, 0, 3), ContextRow([7], 2, 1, -1, 9, 0, 1)]
+    cuda = torch.device("cuda")
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step = build_step(rows, [11, 12, 13, 14], [14, 15, 16, 2], 8, cuda)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    expected = build_step(rows, [11, 12, 13, 14], [14, 15, 16, 2], 8, CPU)
+    assert step.input_ids.cpu().tolist() == expected.input_ids.tolist()
+    assert torch.equal(step.ctx.block_tables.cpu(), expected.ctx.block_tables)
+
+
 def test_build_step_pads_with_inert_rows() -> None:
     rows = [ContextRow([3, 4, 5], 14, 3, 5, 6, 0, 3), ContextRow([7], 2, 1, -1, 9, 0, 1)]
     step = build_step(rows, [11, 12, 13, 14], [14, 15, 16, 2], 8, CPU, pad_to=6, width=3)

@@ -21,6 +21,7 @@ from itertools import count
 import torch
 
 from truespec.core.scheduler_output import ScheduledRequest
+from truespec.ops.host_copy import to_device_async
 from truespec.worker.runner_output import ModelRunnerOutput
 
 DEFER_LIMIT = 64  # positions a request's catch-up may fall behind while its drafting is off
@@ -112,10 +113,12 @@ class DeferredCatchUp:
     def gather(self, pairs: list[tuple[int, int]], output: ModelRunnerOutput) -> torch.Tensor:
         """The hidden states of (step id, row) pairs, in order: step id -1 is ``output``'s, others held ones."""
         held = sorted({step_id for step_id, _ in pairs if step_id >= 0}) if self.held else []
+        states = output.hidden_states
         if not held:  # nothing deferred (the usual catch-up): this step's rows only
-            return output.hidden_states[[row for _, row in pairs]]
-        sources, base, offset = [output.hidden_states], {-1: 0}, output.hidden_states.shape[0]
+            return states.index_select(0, to_device_async([row for _, row in pairs], states.device))
+        sources, base, offset = [states], {-1: 0}, states.shape[0]
         for step_id in held:
             sources.append(self.held[step_id])
             base[step_id], offset = offset, offset + sources[-1].shape[0]
-        return torch.cat(sources)[[base[step_id] + row for step_id, row in pairs]]
+        rows = to_device_async([base[step_id] + row for step_id, row in pairs], states.device)
+        return torch.cat(sources).index_select(0, rows)

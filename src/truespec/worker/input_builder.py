@@ -115,7 +115,9 @@ def build_step(rows: list[ContextRow], input_ids: list[int], positions: list[int
         values += [-1] * (columns - len(row.block_ids))
     if full:
         values += [-1] * ((r - num_reqs) * width + spans[10] - cuts[10])
-        buf = torch.from_numpy(np.array(values, dtype=np.int64)).to(device)
+        buf = torch.from_numpy(np.array(values, dtype=np.int64))
+        if device.type == "cuda":  # through pinned memory: a copy from pageable memory waits for the device's queue
+            buf = buf.pin_memory().to(device, non_blocking=True)
     else:
         # Kernels read a row's table only below its seq_len (and padded rows not at all), so the cells past
         # the real rows and past the used columns may keep whatever an earlier step left there.
