@@ -38,6 +38,8 @@ KERNELS = {
     "kkt_solve": ("fla.ops.gated_delta_rule.chunk_fwd", "chunk_gated_delta_rule_fwd_kkt_solve_kernel",
                   [Config({"BK": bk}, num_warps=w, num_stages=s) for bk, w, s in
                    itertools.product((32, 64), (1, 2, 4), (1, 2, 3))]),
+    "cumsum": ("fla.ops.utils.cumsum", "chunk_local_cumsum_scalar_kernel",  # the gates' chunk cumsum: not pinned
+               [Config({}, num_warps=w) for w in (1, 2, 4, 8)]),
     "l2norm": ("fla.modules.norm.l2norm", "l2norm_fwd_kernel",
                [Config({"BT": bt}, num_warps=w) for bt, w in itertools.product((8, 16, 32, 64), (1, 2, 4, 8, 16))]),
 }  # fmt: skip
