@@ -89,6 +89,15 @@ def test_prompt_position_is_bitwise_same_however_chunked(dtype: torch.dtype) -> 
         assert torch.equal(whole, out)
 
 
+@pytest.mark.parametrize("name", PACKED)
+def test_prompt_position_over_a_packed_cache_is_bitwise_same_however_chunked(name: str) -> None:
+    fmt = FORMATS[name]
+    args = packed_batch(fmt, [(0, 45), (0, 30)], 4, 2, 16, 8, torch.float32, seed=5)
+    whole, *others = chunked_rows(args, 45, [7, 23], 30, fmt=fmt)
+    for out in others:
+        assert torch.equal(whole, out)
+
+
 def test_prefill_rejects_bad_block_sizes() -> None:
     args = attention_batch([(0, 4)], 2, 2, 16, torch.float32, seed=6)
     with pytest.raises(ValueError, match="powers of two"):
@@ -116,8 +125,16 @@ def test_gpu_prefill_matches_reference(dtype: torch.dtype, name: str | None) -> 
 
 @gpu
 @needs_cuda
-def test_gpu_prompt_position_is_bitwise_same_however_chunked() -> None:
-    args = attention_batch([(0, 700), (0, 300)], 8, 2, 256, torch.bfloat16, seed=8)
-    whole, *others = chunked_rows(args, 700, [100, 333, 512], 300)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("name", [None, *PACKED])
+def test_gpu_prompt_position_is_bitwise_same_however_chunked(dtype: torch.dtype, name: str | None) -> None:
+    """A key tile a row sees whole runs the unmasked build or the masked one depending on where the chunk starts:
+    the same bits either way, for every cache format (the accumulate is one explicit fma in both)."""
+    if name is None:
+        args, kwargs = attention_batch([(0, 700), (0, 300)], 8, 2, 256, dtype, seed=8), {}
+    else:
+        args, kwargs = packed_batch(FORMATS[name], [(0, 700), (0, 300)], 8, 2, 256, 16, dtype, seed=8), {
+            "fmt": FORMATS[name]}
+    whole, *others = chunked_rows(args, 700, [100, 333, 512], 300, **kwargs)
     for out in others:
         assert torch.equal(whole, out)

@@ -177,9 +177,11 @@ def _attend_tile(m, l, acc, tile_start, num_keys, position, q, q_lo, q_rows, is_
     else:
         s = s * scale_acc
     m_new, alpha, p, l = online_softmax_step(m, l, s)  # m_new finite: tile 0 holds key 0, which every row sees
-    acc = acc * alpha[:, None] + tile_pv(p, cache_head_ptr + value_offset, slot_off, d, n_mask, kv_mask, VALUE_ENC,
-                                         VALUE_BITS, VALUE_CODE_BYTES, HEAD_DIM, FP16_ALIGNED, ACC_DTYPE, DOT_DTYPE,
-                                         UPCAST)  # fmt: skip
+    # one explicit fused multiply-add: left to the compiler, the masked and the unmasked build of this function could
+    # contract it differently, and a key tile is masked or not by how the prompt was chunked (paged_attention.py)
+    acc = tl.fma(acc, alpha[:, None], tile_pv(p, cache_head_ptr + value_offset, slot_off, d, n_mask, kv_mask,
+                                              VALUE_ENC, VALUE_BITS, VALUE_CODE_BYTES, HEAD_DIM, FP16_ALIGNED,
+                                              ACC_DTYPE, DOT_DTYPE, UPCAST))  # fmt: skip
     return m_new, l, acc
 
 
