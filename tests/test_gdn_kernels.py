@@ -287,7 +287,7 @@ def test_gdn_kernels_reproduce_gated_deltanet_layer() -> None:
 # ------------------------------------------------------------------------- GPU: Qwen3.5-0.8B sizes, compiled
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("dtype", GPU_DTYPES)
+@pytest.mark.parametrize("dtype", [*GPU_DTYPES, torch.float16])  # fp16: the fused gates' bits in the models' dtypes
 def test_gpu_gdn_kernels_at_qwen3_5_size(dtype: torch.dtype) -> None:
     rows = [(1, 2, 0, 0), (4, 4, 4, 0), (64, -1, 8, 63), (3, 13, -1, 0), (33, 17, 16, 32), (0, 21, 20, -1)]
     check_gdn_recurrent(dtype, rows, hk=16, hv=16, dk=128, dv=128, l2norm=True, tol_scale=GPU_TOL_SCALE)
