@@ -1,5 +1,7 @@
-"""fla's forward kernels for a GDN prefill (``chunk_gated_delta_rule`` as kernels/gdn_chunked.py calls it: fp32
-inputs, q / k L2-normalised in fla, one sequence, the Qwen3.5-0.8B GDN shape: 16 heads, K = V = 128): for each
+"""fla's forward kernels for a GDN prefill (``chunk_gated_delta_rule`` as kernels/gdn_chunked.py calls it: q / k / v
+in the model's dtype (``--dtype``, default bfloat16; session 25 measured fp32 inputs), q / k L2-normalised before the
+call unless ``--fla-l2norm``, g / beta and the state in fp32, one sequence, the Qwen3.5-0.8B GDN shape: 16 heads,
+K = V = 128): for each
 autotuned kernel, the config fla's autotuner picks in this process against every forced candidate, timed as the
 whole call (``triton.testing.do_bench`` median, ms) with the other kernels as tuned, and whether each candidate
 gives the autotuned run's bits (output and final state).
@@ -49,10 +51,13 @@ def autotuner(name: str) -> triton.runtime.Autotuner:
     return fla_configs.autotuner(*KERNELS[name][:2])
 
 
-def inputs(length: int) -> tuple:
+def inputs(length: int, dtype: torch.dtype, normalized: bool) -> tuple:
     gen = torch.Generator(device="cuda").manual_seed(0)
     q, k = (torch.randn(1, length, HEADS, K, device="cuda", generator=gen) for _ in range(2))
-    v = torch.randn(1, length, HEADS, V, device="cuda", generator=gen)
+    if normalized:  # as the engine's conv hands them to fla (kernels/causal_conv1d.py, l2norm_rows)
+        q, k = (torch.nn.functional.normalize(x, dim=-1) for x in (q, k))
+    q, k = q.to(dtype), k.to(dtype)
+    v = torch.randn(1, length, HEADS, V, device="cuda", generator=gen).to(dtype)
     g = -0.05 * torch.rand(1, length, HEADS, device="cuda", generator=gen)  # log decay per token
     beta = torch.rand(1, length, HEADS, device="cuda", generator=gen)
     h0 = torch.randn(1, HEADS, K, V, device="cuda", generator=gen) * 0.1
@@ -60,14 +65,15 @@ def inputs(length: int) -> tuple:
     return q, k, v, g, beta, h0, cu, cu.cpu()
 
 
-def measure(length: int, names: list[str]) -> dict:
+def measure(length: int, names: list[str], dtype: torch.dtype = torch.bfloat16, fla_l2norm: bool = False) -> dict:
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
-    q, k, v, g, beta, h0, cu, cu_cpu = inputs(length)
+    q, k, v, g, beta, h0, cu, cu_cpu = inputs(length, dtype, normalized=not fla_l2norm)
 
     def call() -> tuple:
         return chunk_gated_delta_rule(q, k, v, g, beta, scale=K**-0.5, initial_state=h0, output_final_state=True,
-                                      use_qk_l2norm_in_kernel=True, cu_seqlens=cu, cu_seqlens_cpu=cu_cpu)  # fmt: skip
+                                      use_qk_l2norm_in_kernel=fla_l2norm, cu_seqlens=cu,
+                                      cu_seqlens_cpu=cu_cpu)  # fmt: skip
 
     for name in KERNELS:  # tune every kernel afresh in this process, for this length
         autotuner(name).cache.clear()
@@ -100,9 +106,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", type=int, nargs="+", default=[8192, 32768])
     parser.add_argument("--kernels", nargs="+", default=list(KERNELS), choices=list(KERNELS))
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    parser.add_argument("--fla-l2norm", action="store_true", help="q / k normalised by fla (the engine's: before)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
-    report = {length: measure(length, args.kernels) for length in args.lengths}
+    dtype = getattr(torch, args.dtype)
+    report = {length: measure(length, args.kernels, dtype, args.fla_l2norm) for length in args.lengths}
     for length, r in report.items():
         p = r["pinned"]
         print(f"{length} tokens: the whole call autotuned {r['auto_ms']:.3f} ms, with truespec's configs "
