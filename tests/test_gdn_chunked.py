@@ -332,8 +332,10 @@ def test_gpu_pinned_fla_configs_give_the_tuned_configs_bits(hk: int, hv: int, dk
     gen = torch.Generator(device="cuda").manual_seed(0)
     lengths = [700, 64, 1, 300, 129]  # ragged: a chunk-sized and a one-token sequence among them
     t = sum(lengths)
-    q, k = (torch.randn(1, t, hk, dk, device="cuda", generator=gen) for _ in range(2))
-    v = torch.randn(1, t, hv, dv, device="cuda", generator=gen)
+    # as gdn_chunked calls fla in a bf16 model: q / k / v in bf16, q / k normalised before (by the conv)
+    q, k = (torch.nn.functional.normalize(torch.randn(1, t, hk, dk, device="cuda", generator=gen), dim=-1)
+            .to(torch.bfloat16) for _ in range(2))  # fmt: skip
+    v = torch.randn(1, t, hv, dv, device="cuda", generator=gen).to(torch.bfloat16)
     g = -0.1 * torch.rand(1, t, hv, device="cuda", generator=gen)
     beta = torch.rand(1, t, hv, device="cuda", generator=gen)
     h0 = 0.1 * torch.randn(len(lengths), hv, dk, dv, device="cuda", generator=gen)
@@ -341,7 +343,7 @@ def test_gpu_pinned_fla_configs_give_the_tuned_configs_bits(hk: int, hv: int, dk
 
     def run() -> tuple[torch.Tensor, torch.Tensor]:
         return chunk_gated_delta_rule(q, k, v, g, beta, scale=dk**-0.5, initial_state=h0, output_final_state=True,
-                                      use_qk_l2norm_in_kernel=True, cu_seqlens=cu_cpu.cuda(), cu_seqlens_cpu=cu_cpu)
+                                      use_qk_l2norm_in_kernel=False, cu_seqlens=cu_cpu.cuda(), cu_seqlens_cpu=cu_cpu)
 
     pinned = run()
     fla_configs.unpin()
