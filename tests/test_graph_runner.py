@@ -141,6 +141,9 @@ def test_a_step_with_an_fla_chunk_never_replays_a_graph(tiny_models: dict[str, P
     rows = [ContextRow([0], 0, 3, -1, 0, 2, 1, 3, gdn_chunked) for gdn_chunked in (None, False, True)]
     assert [runner._graph_size([row], 3, False, True) for row in rows] == [4, 4, None]
     assert runner._graph_size(rows[:2], 6, False, True) == 8
+    # a step planned ahead (shift) never holds one: its GDN layers would silently take the token loop
+    with pytest.raises(ValueError, match="planned ahead"):
+        runner.run(rows[2:], [1, 2, 3], [0, 1, 2], shift=torch.zeros(1, dtype=torch.int64))
 
 
 @pytest.mark.parametrize("pad_to", [None, 7, 8])

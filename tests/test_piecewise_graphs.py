@@ -21,7 +21,7 @@ from test_gdn_chunked import bf16_layer_with_chunk_kernel, reference_chunk_kerne
 from truespec.forward_context import set_forward_context  # noqa: E402
 from truespec.kernels import causal_conv1d  # noqa: E402
 from truespec.worker.input_builder import ContextRow, build_forward_context, build_step  # noqa: E402
-from truespec.worker.piecewise_graphs import PieceRecorder, bucket_sizes  # noqa: E402
+from truespec.worker.piecewise_graphs import PieceRecorder, bucket_sizes, fill_flags  # noqa: E402
 
 CPU = torch.device("cpu")
 
@@ -93,10 +93,7 @@ def test_a_padded_step_through_the_pieces_hooks_gives_the_eager_steps_bits(
             ctx = build_forward_context(rows, 16, CPU)
         with set_forward_context(ctx):
             if padded:  # what PiecewiseGraphs._replay does before the first piece
-                owner.flags.zero_()
-                flags = layer._chunked_plan(ctx).chunked_flags
-                if flags is not None:
-                    owner.flags[:flags.shape[0]].copy_(flags)
+                fill_flags(owner.flags, layer._chunked_plan, ctx)
             out = layer._forward_kernels(x if padded else x[:num_tokens], ctx)
         results.append((out, layer.conv_state, layer.ssm_state))
     (eager, conv_e, ssm_e), (pieces, conv_p, ssm_p) = results

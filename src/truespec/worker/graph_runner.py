@@ -172,10 +172,13 @@ class GraphRunner:
         stream order, over the host's ``input_ids``). ``shift``: [R] device tensor, request r's positions move
         that far (``shift_positions``)."""
         num_tokens = len(input_ids)
+        chunked = any(row.gdn_chunked for row in rows)
+        if shift is not None and chunked:  # fla plans from the host's positions, which a shift leaves behind
+            raise ValueError("a step planned ahead (shift) holds a request for fla's chunk kernel: such requests join "
+                             "only steps planned on the host (engine/verify_plan.may_admit)")
         # piecewise: steps with fla's chunk kernel, and every step above the full graphs' sizes (a shifted step's GDN
         # layers keep the token loop: its host metadata no longer holds)
-        if self.piecewise is not None and shift is None and (
-                num_tokens > self.sizes[-1] or any(row.gdn_chunked for row in rows)):
+        if self.piecewise is not None and shift is None and (num_tokens > self.sizes[-1] or chunked):
             size = self.piecewise.bucket(num_tokens, len(rows))
             if size is not None:
                 self.stats["piecewise"] += 1

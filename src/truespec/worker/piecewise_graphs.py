@@ -47,6 +47,15 @@ def bucket_sizes(max_num_tokens: int) -> list[int]:
     return sorted(s for s in sizes if s <= max_num_tokens)
 
 
+def fill_flags(flags: torch.Tensor, plan: Callable[[ForwardContext], object] | None, ctx: ForwardContext) -> None:
+    """Before a replay: the static per-request ``flags`` the conv reads, from the step's plan (built here once for
+    the step's fla calls too), zeros where no request of the step takes fla's chunk kernel."""
+    step_flags = plan(ctx).chunked_flags if plan is not None else None
+    flags.zero_()
+    if step_flags is not None:
+        flags[:step_flags.shape[0]].copy_(step_flags)
+
+
 class PieceRecorder:
     """ForwardContext.pieces while a bucket's forward is dry-run or captured: the GDN layers' hooks."""
 
@@ -164,10 +173,7 @@ class PiecewiseGraphs:
 
     def _replay(self, captured: tuple[list, list, torch.Tensor], ctx: ForwardContext) -> torch.Tensor:
         graphs, ops, out = captured
-        flags = self.plan(ctx).chunked_flags if self.plan else None  # built once for the step's fla calls too
-        self.flags.zero_()
-        if flags is not None:
-            self.flags[:flags.shape[0]].copy_(flags)
+        fill_flags(self.flags, self.plan, ctx)
         for graph, op in zip(graphs, ops + [None], strict=True):
             graph.replay()
             if op is not None:
