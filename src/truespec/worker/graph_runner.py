@@ -35,7 +35,7 @@ import torch
 
 from truespec.forward_context import set_forward_context
 from truespec.layers.backend import cudagraph_unsupported_reason
-from truespec.worker.input_builder import ContextRow, StepInputs, build_step, shift_positions
+from truespec.worker.input_builder import ContextRow, StepInputs, build_step, device_inputs
 from truespec.worker.piecewise_graphs import PiecewiseGraphs, bucket_sizes
 from truespec.worker.static_inputs import StaticInputs
 
@@ -192,25 +192,18 @@ class GraphRunner:
             if not has_prompt_rows:
                 inputs.ctx.num_prompt_rows = None
             inputs.ctx.is_prompt_only = has_prompt_rows and all(row.num_prompt_rows == row.query_len for row in rows)
-            self._device_inputs(inputs, num_tokens, len(rows), input_ids_from, shift)
+            device_inputs(inputs, num_tokens, len(rows), self.block_size, input_ids_from, shift)
             with set_forward_context(inputs.ctx):
                 return self._call(inputs, None, hidden), inputs
         self.stats["graph"] += 1
         with torch.cuda.device(self.device):  # the stream of this device, also for device="cuda:N"
             inputs = self._inputs.build(rows, input_ids, positions, size)
-            self._device_inputs(inputs, num_tokens, len(rows), input_ids_from, shift)
+            device_inputs(inputs, num_tokens, len(rows), self.block_size, input_ids_from, shift)
             if hidden is not None:
                 self._hidden[:len(input_ids)].copy_(hidden)
             graph, out = self.graphs[size, has_prompt_rows]
             graph.replay()
             return out[:num_tokens].clone(), inputs
-
-    def _device_inputs(self, inputs: StepInputs, num_tokens: int, num_reqs: int,
-                       input_ids_from: torch.Tensor | None, shift: torch.Tensor | None) -> None:
-        if input_ids_from is not None:
-            inputs.input_ids[:num_tokens].copy_(input_ids_from[:num_tokens])
-        if shift is not None:
-            shift_positions(inputs, shift, num_tokens, num_reqs, self.block_size)
 
     def _graph_size(self, rows: list[ContextRow], num_tokens: int, decode_only: bool,
                     has_prompt_rows: bool) -> int | None:

@@ -153,6 +153,17 @@ def build_forward_context(rows: list[ContextRow], block_size: int, device: torch
 
 
 
+def device_inputs(inputs: StepInputs, num_tokens: int, num_reqs: int, block_size: int,
+                  input_ids_from: torch.Tensor | None, shift: torch.Tensor | None) -> None:
+    """What a step takes from the device after its host-built inputs, in stream order: its first ``num_tokens`` input
+    ids from ``input_ids_from`` (a step queued ahead: the previous step's argmax and drafts), then its move by
+    ``shift`` (``shift_positions``); each only when given."""
+    if input_ids_from is not None:
+        inputs.input_ids[:num_tokens].copy_(input_ids_from[:num_tokens])
+    if shift is not None:
+        shift_positions(inputs, shift, num_tokens, num_reqs, block_size)
+
+
 def shift_positions(inputs: StepInputs, shift: torch.Tensor, num_tokens: int, num_reqs: int, block_size: int) -> None:
     """Move request r's query ``shift[r]`` positions further, in place and on the device (a step planned before
     the previous one's accepted counts were read: docs/ARCHITECTURE.md, "Speculative steps queued ahead").

@@ -34,7 +34,7 @@ from collections.abc import Callable
 import torch
 
 from truespec.forward_context import ForwardContext, get_forward_context, set_forward_context
-from truespec.worker.input_builder import ContextRow, StepInputs
+from truespec.worker.input_builder import ContextRow, StepInputs, device_inputs
 from truespec.worker.static_inputs import StaticInputs
 
 BUCKET_TOKENS = 1024  # bucket spacing above SMALL_BUCKETS: a step computes at most 1,023 padding rows
@@ -100,7 +100,7 @@ class PiecewiseGraphs:
     def __init__(self, model: torch.nn.Module, sizes: list[int], max_num_reqs: int, block_size: int, width: int,
                  device: torch.device, num_staging: int = 2) -> None:  # fmt: skip
         self.model, self.sizes, self.max_num_reqs = model, sorted(sizes), max_num_reqs
-        self.device = device
+        self.device, self.block_size = device, block_size
         self._inputs = StaticInputs(self.sizes, width, block_size, device, num_staging, num_reqs=max_num_reqs)
         self.flags = torch.zeros(max_num_reqs, dtype=torch.int64, device=device)
         self.plan: Callable[[ForwardContext], object] | None = None
@@ -165,8 +165,7 @@ class PiecewiseGraphs:
         prompt_only = all(row.num_prompt_rows == row.query_len for row in rows)
         with torch.cuda.device(self.device):
             inputs = self._inputs.build(rows, input_ids, positions, size)
-            if input_ids_from is not None:
-                inputs.input_ids[:num_tokens].copy_(input_ids_from[:num_tokens])
+            device_inputs(inputs, num_tokens, len(rows), self.block_size, input_ids_from, shift=None)
             with set_forward_context(inputs.ctx):
                 out = self._replay(self.captured[size, prompt_only], inputs.ctx)
             return out[:num_tokens].clone(), inputs
