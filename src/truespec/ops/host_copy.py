@@ -9,10 +9,10 @@ through pinned memory without a wait (``to_device_async``). Triton compiles a ke
 import torch
 
 
-def to_device_async(values: list[int], device: torch.device) -> torch.Tensor:
-    """int64 ``values`` on ``device`` in one host-to-device copy that does not wait for the device (pinned memory
-    on CUDA), queued in stream order."""
-    host = torch.tensor(values, dtype=torch.int64)
+def to_device_async(values: list[int] | torch.Tensor, device: torch.device) -> torch.Tensor:
+    """int64 ``values`` (a list, or a host tensor as is) on ``device`` in one host-to-device copy that does not wait
+    for the device (pinned memory on CUDA), queued in stream order."""
+    host = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=torch.int64)
     return host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host
 
 

@@ -14,7 +14,7 @@ import torch
 from truespec.forward_context import ForwardContext
 from truespec.kv_cache.layout import kv_slots
 from truespec.layers.backend import kernels, use_kernels
-from truespec.ops.host_copy import aligned_spans
+from truespec.ops.host_copy import aligned_spans, to_device_async
 from truespec.ops.spec_step import move_positions_ref
 
 
@@ -115,9 +115,7 @@ def build_step(rows: list[ContextRow], input_ids: list[int], positions: list[int
         values += [-1] * (columns - len(row.block_ids))
     if full:
         values += [-1] * ((r - num_reqs) * width + spans[10] - cuts[10])
-        buf = torch.from_numpy(np.array(values, dtype=np.int64))
-        if device.type == "cuda":  # through pinned memory: a copy from pageable memory waits for the device's queue
-            buf = buf.pin_memory().to(device, non_blocking=True)
+        buf = to_device_async(torch.from_numpy(np.array(values, dtype=np.int64)), device)
     else:
         # Kernels read a row's table only below its seq_len (and padded rows not at all), so the cells past
         # the real rows and past the used columns may keep whatever an earlier step left there.
