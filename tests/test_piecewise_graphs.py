@@ -102,6 +102,41 @@ def test_a_padded_step_through_the_pieces_hooks_gives_the_eager_steps_bits(
     assert torch.equal(conv_p, conv_e) and torch.equal(ssm_p, ssm_e)
 
 
+@torch.no_grad()
+def test_a_step_planned_ahead_through_the_pieces_hooks_gives_the_eager_steps_bits(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A step planned ahead (a decode and a verify moved on the device by what the step before accepted, a short
+    prompt joining them unmoved), padded to a bucket and moved by ``shift_positions`` as PiecewiseGraphs.run does: its
+    host copies of the state sources are gone, so the GDN layer's call between two pieces takes the token loop on the
+    device's metadata, and gives the bits of the eager step built at the moved positions (no plan built, flags 0)."""
+    from truespec.worker.input_builder import shift_positions
+
+    layer, conv_state, ssm_state, gen = bf16_layer_with_chunk_kernel(monkeypatch, reference_chunk_kernel, 12, seed=13)
+    rows = [ContextRow([6], 6, 1, 5, 5, 0, 1, 0, False), ContextRow(list(range(5)), 0, 70, -1, 2, 69, 1, 70, False),
+            ContextRow([7], 9, 3, 8, 8, 0, 3, 0, False)]  # fmt: skip
+    moved = [ContextRow([6], 7, 1, 6, 5, 0, 1, 0, False), rows[1], ContextRow([7], 11, 3, 10, 8, 0, 3, 0, False)]
+    num_tokens = 74
+    x = torch.randn(num_tokens + 7, 32, generator=gen).to(torch.bfloat16)
+    layer.conv_state, layer.ssm_state = conv_state.clone(), ssm_state.clone()
+    eager_ctx = build_forward_context(moved, 16, CPU)
+    with set_forward_context(eager_ctx):
+        eager = layer._forward_kernels(x[:num_tokens], eager_ctx)
+    expected = (eager, layer.conv_state, layer.ssm_state)
+    layer.conv_state, layer.ssm_state = conv_state.clone(), ssm_state.clone()
+    step = build_step(rows, [0] * num_tokens, [0] * num_tokens, 16, CPU, pad_to=num_tokens + 7, width=5, pad_reqs_to=5)
+    shift_positions(step, torch.tensor([1, 0, 2]), num_tokens, 3, 16)
+    ctx, owner = step.ctx, _Owner(5)
+    ctx.pieces = PieceRecorder(owner, capturing=False)
+    assert ctx.state_cpu is None and ctx.state_src.tolist()[:3] == [6, -1, 10]
+    fill_flags(owner.flags, layer._chunked_plan, ctx)  # as PiecewiseGraphs._replay: a moved step builds no plan
+    assert owner.flags.eq(0).all()
+    with set_forward_context(ctx):
+        pieces = layer._forward_kernels(x, ctx)
+    assert torch.equal(pieces[:num_tokens], expected[0]) and pieces[num_tokens:].eq(0).all()
+    assert torch.equal(layer.conv_state, expected[1]) and torch.equal(layer.ssm_state, expected[2])
+
+
 def test_gating_writes_into_a_given_buffer() -> None:
     from truespec.kernels import gating_buffer_size, gdn_gating
 

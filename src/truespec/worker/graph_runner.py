@@ -76,7 +76,7 @@ class GraphRunner:
         self.variants = (False, True) if prompt_rows and mode == "FULL" else (False,)
         self.graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.piecewise: PiecewiseGraphs | None = None  # steps with fla's chunk kernel (capture_piecewise)
-        self.stats: Counter[str] = Counter()  # "graph" / "piecewise" / "eager" forwards
+        self.stats: Counter[str] = Counter()  # "graph" / "piecewise" / "piecewise_ahead" (moved) / "eager" forwards
         if not self.sizes:
             return
         top = self.sizes[-1]
@@ -176,13 +176,13 @@ class GraphRunner:
         if shift is not None and chunked:  # fla plans from the host's positions, which a shift leaves behind
             raise ValueError("a step planned ahead (shift) holds a request for fla's chunk kernel: such requests join "
                              "only steps planned on the host (engine/verify_plan.may_admit)")
-        # piecewise: steps with fla's chunk kernel, and every step above the full graphs' sizes (a shifted step's GDN
-        # layers keep the token loop: its host metadata no longer holds)
-        if self.piecewise is not None and shift is None and (num_tokens > self.sizes[-1] or chunked):
+        # piecewise: steps with fla's chunk kernel, and every step above the full graphs' sizes (a step planned ahead,
+        # ``shift``, never holds an fla request: its GDN layers take the token loop on the device's metadata)
+        if self.piecewise is not None and (num_tokens > self.sizes[-1] or chunked):
             size = self.piecewise.bucket(num_tokens, len(rows))
             if size is not None:
-                self.stats["piecewise"] += 1
-                return self.piecewise.run(rows, input_ids, positions, size, input_ids_from)
+                self.stats["piecewise" if shift is None else "piecewise_ahead"] += 1
+                return self.piecewise.run(rows, input_ids, positions, size, input_ids_from, shift)
         # a drafter reading the target's rows (draft_on_device) runs them all split-KV, prompt rows or not
         has_prompt_rows = self.prompt_rows and any(row.num_prompt_rows for row in rows)
         size = self._graph_size(rows, num_tokens, decode_only, has_prompt_rows)

@@ -23,7 +23,10 @@ the padding rows' attention output is then never written, and stays in those row
 The target's other steps above the full graphs' largest size (graph_runner.py, 512 tokens by default: short prompts
 batched together, a long prompt's last chunk, verifies of many requests) replay the same pieces: for them every GDN
 layer's call between two pieces is the token loop alone (``gdn_chunked`` without a chunked request; g / beta as
-tensors, the bits of the fused-gates launch an eager step makes).
+tensors, the bits of the fused-gates launch an eager step makes). So do such steps planned ahead (verifies queued
+ahead, with requests joining: ``shift``), moved on the device like the full graphs' steps: they never hold a request
+for fla (engine/verify_plan.py), and their GDN layers' calls take the token loop on the device's metadata without the
+host's (layers/gdn.py).
 
 Before each capture, a dry run of the same forward with the recorder, fla called in place: every Triton kernel
 variant the pieces launch compiles outside the capture.
@@ -49,8 +52,9 @@ def bucket_sizes(max_num_tokens: int) -> list[int]:
 
 def fill_flags(flags: torch.Tensor, plan: Callable[[ForwardContext], object] | None, ctx: ForwardContext) -> None:
     """Before a replay: the static per-request ``flags`` the conv reads, from the step's plan (built here once for
-    the step's fla calls too), zeros where no request of the step takes fla's chunk kernel."""
-    step_flags = plan(ctx).chunked_flags if plan is not None else None
+    the step's fla calls too), zeros where no request of the step takes fla's chunk kernel. A step moved on the device
+    (no host copy of its state sources, which the plan reads) has no such request (GraphRunner.run): zeros."""
+    step_flags = plan(ctx).chunked_flags if plan is not None and ctx.state_cpu is not None else None
     flags.zero_()
     if step_flags is not None:
         flags[:step_flags.shape[0]].copy_(step_flags)
@@ -159,13 +163,16 @@ class PiecewiseGraphs:
 
     # ---- replay --------------------------------------------------------------------------------
     def run(self, rows: list[ContextRow], input_ids: list[int], positions: list[int], size: int,
-            input_ids_from: torch.Tensor | None = None) -> tuple[torch.Tensor, StepInputs]:  # fmt: skip
-        """The final hidden states [T, H] of the step (a fresh tensor) and its inputs, from the bucket ``size``."""
+            input_ids_from: torch.Tensor | None = None,
+            shift: torch.Tensor | None = None) -> tuple[torch.Tensor, StepInputs]:  # fmt: skip
+        """The final hidden states [T, H] of the step (a fresh tensor) and its inputs, from the bucket ``size``.
+        ``shift``: the step was planned ahead and moves on the device (``shift_positions``); it has no request for
+        fla's chunk kernel (whose call plans from the host's positions), so its GDN layers run the token loop."""
         num_tokens = len(input_ids)
         prompt_only = all(row.num_prompt_rows == row.query_len for row in rows)
         with torch.cuda.device(self.device):
             inputs = self._inputs.build(rows, input_ids, positions, size)
-            device_inputs(inputs, num_tokens, len(rows), self.block_size, input_ids_from, shift=None)
+            device_inputs(inputs, num_tokens, len(rows), self.block_size, input_ids_from, shift)
             with set_forward_context(inputs.ctx):
                 out = self._replay(self.captured[size, prompt_only], inputs.ctx)
             return out[:num_tokens].clone(), inputs
