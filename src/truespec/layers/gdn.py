@@ -169,7 +169,9 @@ class GatedDeltaNet(nn.Module):
             g, beta = k_ops.gdn_gating(a, b, self.A_log, self.dt_bias, gates_out)  # fla takes the gates as tensors
 
             def chunked_core(step: ForwardContext) -> torch.Tensor:  # the step's host metadata: a replay's own
-                if step.state_cpu is None:  # moved on the device (shift_positions): no fla request, the token loop
+                if step.state_cpu is None:  # moved on the device (shift_positions): the token loop, no fla request
+                    if any(step.gdn_chunked_cpu or ()):
+                        raise RuntimeError("a step moved on the device holds a request for fla's chunk kernel")
                     return k_ops.gdn_recurrent(q, k, v, g, beta, self.ssm_state, *meta)
                 return k_ops.gdn_chunked.gdn_chunked(q, k, v, g, beta, self.ssm_state, *meta, **self._host(step),
                                                      qk_normalized=normalise is not None)  # fmt: skip
