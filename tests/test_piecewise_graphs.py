@@ -30,6 +30,9 @@ def test_buckets_keep_the_matmul_path_of_the_steps_they_serve() -> None:
     assert bucket_sizes(8192) == [256, 512] + [1024 * i for i in range(1, 9)]
     assert bucket_sizes(5000) == [256, 512, 1024, 2048, 3072, 4096, 5000]
     assert bucket_sizes(512) == [256, 512] and bucket_sizes(300) == [256, 300]
+    # a step of a capped prompt chunk (2,048 by default) and up to 256 decode / verify rows
+    assert bucket_sizes(8192, 2048) == [256, 512, 1024, 2048, 2304, 3072] + [1024 * i for i in range(4, 9)]
+    assert bucket_sizes(2048, 2048) == [256, 512, 1024, 2048]
 
 
 def test_static_inputs_pad_requests_apart_from_tokens() -> None:

@@ -167,13 +167,16 @@ class Scheduler:
             return min(remaining - 1, budget, limit or budget), []  # a prefill chunk; the drafts wait for the last
         return None
 
+    @property
+    def mixed_prefill_cap(self) -> int | None:
+        """The most prompt tokens a request computes in a step beside decodes (None: the budget's)."""
+        threshold = self.long_prefill_token_threshold
+        return AUTO_LONG_PREFILL_TOKENS if threshold is None else threshold or None
+
     def _step_prefill_cap(self) -> int | None:
         """The most prompt tokens one request computes this step (module docstring); None: the budget's."""
-        threshold = self.long_prefill_token_threshold
-        if threshold is None:
-            is_decoding = any(seq.num_uncomputed_tokens <= 1 for seq in self.running)
-            return AUTO_LONG_PREFILL_TOKENS if is_decoding else None
-        return threshold or None
+        is_decoding = any(seq.num_uncomputed_tokens <= 1 for seq in self.running)
+        return None if self.long_prefill_token_threshold is None and not is_decoding else self.mixed_prefill_cap
 
     def max_drafts(self, seq: Sequence) -> int:
         """Drafts a request may verify in one step: what fits a step's budget beside its input token, and

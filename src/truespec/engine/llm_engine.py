@@ -99,7 +99,8 @@ class LLMEngine:
         self.runner.graphs.warm_up(config.max_num_batched_tokens, num_blocks,  # compile now, not in a first prompt
                                    gdn_chunked=self.gdn_rule is not None)
         if self.gdn_rule is not None:  # steps with fla's chunk kernel: graphs between its calls
-            self.runner.graphs.capture_piecewise(min(config.max_num_batched_tokens, num_blocks * cache.block_size), n)
+            self.runner.graphs.capture_piecewise(min(config.max_num_batched_tokens, num_blocks * cache.block_size), n,
+                                                 self.scheduler.mixed_prefill_cap)
         if isinstance(proposer, ModelDrafter):
             proposer.graphs.warm_up(config.max_num_batched_tokens, num_blocks)
         self.spec_metrics = SpecDecodeMetrics(k)

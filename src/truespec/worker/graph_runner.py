@@ -117,10 +117,10 @@ class GraphRunner:
                 self.graphs[size, has_prompt_rows] = (graph, out)
         torch.cuda.synchronize(self.device)
 
-    def capture_piecewise(self, max_num_tokens: int, max_num_reqs: int) -> None:
+    def capture_piecewise(self, max_num_tokens: int, max_num_reqs: int, prompt_cap: int | None = None) -> None:
         """Capture the steps whose GDN prefill runs fla's chunk kernel in pieces (worker/piecewise_graphs.py), up to
-        ``max_num_tokens`` tokens: the target in FULL mode, after ``warm_up``."""
-        sizes = bucket_sizes(max_num_tokens)
+        ``max_num_tokens`` tokens (``prompt_cap``: see ``bucket_sizes``): the target in FULL mode, after ``warm_up``."""
+        sizes = bucket_sizes(max_num_tokens, prompt_cap)
         if self.mode != "FULL" or not self.sizes or not self.prompt_rows or self.uses_hidden or not sizes:
             return
         self.piecewise = PiecewiseGraphs(self.model, sizes, max_num_reqs, self.block_size, self.width, self.device)

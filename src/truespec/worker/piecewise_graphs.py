@@ -11,14 +11,15 @@ calls between 19 replays). The
 pieces of every bucket are captured on one stream into one memory pool (the caching allocator reuses a freed block
 only on the stream that freed it), and replay one step at a time, in capture order.
 
-Buckets are token counts: 256, 512, then multiples of 1,024 up to the step budget (the row-invariant matmul changes
-path above 512 rows, kernels/row_invariant_matmul.py: a bucket takes the path of the eager steps it serves). A step
-pads to its bucket with inert rows and to ``max_num_reqs`` request rows (input_builder.py). fla never sees the padding
-(the step's plan takes the requests' rows), the conv and the token loop leave padding rows to zeros, and every other
-kernel computes a real row as it would in the eager step (with ``batch_invariant=True``, the default, the projections
-do not see the row count), so a replayed step gives the eager step's bits. Two
-variants per bucket, as an eager step chooses: every row a prompt row (the split-KV attention kernel not launched;
-the padding rows' attention output is then never written, and stays in those rows) or not.
+Buckets are token counts: 256, 512, then multiples of 1,024 up to the step budget, and the size of a step that
+computes a capped prompt chunk beside up to 256 decode / verify rows (2,304 by default) (the row-invariant matmul
+changes path above 512 rows, kernels/row_invariant_matmul.py: a bucket takes the path of the eager steps it serves). A
+step pads to its bucket with inert rows and to ``max_num_reqs`` request rows (input_builder.py). fla never sees the
+padding (the step's plan takes the requests' rows), the conv and the token loop leave padding rows to zeros, and every
+other kernel computes a real row as it would in the eager step (with ``batch_invariant=True``, the default, the
+projections do not see the row count), so a replayed step gives the eager step's bits. Two variants per bucket, as an
+eager step chooses: every row a prompt row (the split-KV attention kernel not launched; the padding rows' attention
+output is then never written, and stays in those rows) or not.
 
 The target's other steps above the full graphs' largest size (graph_runner.py, 512 tokens by default: short prompts
 batched together, a long prompt's last chunk, verifies of many requests) replay the same pieces: for them every GDN
@@ -42,11 +43,16 @@ from truespec.worker.static_inputs import StaticInputs
 
 BUCKET_TOKENS = 1024  # bucket spacing above SMALL_BUCKETS: a step computes at most 1,023 padding rows
 SMALL_BUCKETS = (256, 512)  # a long prompt's last chunk beside decodes may be short
+MIXED_ROWS = 256  # the rows a mixed step's bucket leaves beside its prompt chunk (decodes, verifies)
 
 
-def bucket_sizes(max_num_tokens: int) -> list[int]:
-    """SMALL_BUCKETS, multiples of BUCKET_TOKENS, and ``max_num_tokens`` itself, up to ``max_num_tokens``."""
-    sizes = {*SMALL_BUCKETS, *range(BUCKET_TOKENS, max_num_tokens + 1, BUCKET_TOKENS), max_num_tokens}
+def bucket_sizes(max_num_tokens: int, prompt_cap: int | None = None) -> list[int]:
+    """SMALL_BUCKETS, multiples of BUCKET_TOKENS, and ``max_num_tokens`` itself, up to ``max_num_tokens``; with
+    ``prompt_cap`` (the most prompt tokens a request computes in a step beside decodes, Scheduler.mixed_prefill_cap)
+    also ``prompt_cap + MIXED_ROWS``: such a step (a 2,048-token chunk and 8 decodes) would otherwise pad to the next
+    multiple of 1,024 (3,072 rows for 2,056)."""
+    mixed = () if prompt_cap is None else (prompt_cap + MIXED_ROWS,)
+    sizes = {*SMALL_BUCKETS, *range(BUCKET_TOKENS, max_num_tokens + 1, BUCKET_TOKENS), max_num_tokens, *mixed}
     return sorted(s for s in sizes if s <= max_num_tokens)
 
 
