@@ -5,9 +5,10 @@ sequence length, over a few candidates. The candidates give the same bits (every
 kernels below; benchmarks/fla_kernel_configs.py checks), but not the same time, and a tuning run disturbed by
 other work can keep a slow one (session 24, H200: the state kernel's pick took 0.52 to 1.08 ms per 8K call,
 depending on the process). ``pin`` replaces each kernel's candidate list by the one config measured fastest on that GPU
-(benchmarks/fla_kernel_configs.py, Qwen3.5 GDN shape, 8K and 32K tokens, on fp32 inputs in session 25; the engine
-feeds fla the model's dtype since session 26: to re-check in bf16), so every process runs the same launches and skips
-tuning (fla's gates cumsum kernel excepted, still tuned: docs/ARCHITECTURE.md). Unlisted GPUs keep fla's own tuning.
+(benchmarks/fla_kernel_configs.py, Qwen3.5 GDN shape, 8K and 32K tokens, chosen on fp32 inputs in session 25 and
+re-checked on the bf16 inputs the engine feeds: same bits as fla's tuning, 8K call 0.517 vs 0.604 ms tuned, H200,
+session 29), so every process runs the same launches and skips tuning (fla's gates cumsum kernel excepted: still
+tuned, its candidates give the same bits). Unlisted GPUs keep fla's own tuning.
 
 H200 (BENCHMARKS.md, session 25): the chunk state kernel's 16-column value blocks are outside fla's candidates
 (twice the programs of its smallest: one sequence of 16 heads otherwise fills 32-64 of 132 SMs); one 8K call of
