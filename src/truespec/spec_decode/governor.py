@@ -21,9 +21,20 @@ request-second with drafting on and with drafting off, and lets a bucket's steps
   similar sizes.
 - A sample counts only when the step and both its neighbours ran in the same bucket and mode: a step's interval
   holds its own verify and the drafting for the next one (or, queued ahead, the previous step's tail), so the
-  steps beside a switch mix both modes. Steps with a prefill chunk (or a preempted request's recompute) are not
-  counted either: their time is the prefill's.
-- A bucket not measured yet drafts (as configured: a bucket whose steps all hold prefill chunks is never
+  steps beside a switch mix both modes.
+- Steps with a prompt chunk (a request joining, or a preempted one's recompute) count too: with a model drafter a
+  join costs more while drafting (the step is planned on the host, the drafter catches up on the prompt and drafts
+  for the whole batch), and requests that accept different numbers of drafts finish apart, so they join one by
+  one, in more such steps (BENCHMARKS.md, session 29: at 64 requests with MTP, 64% of the drafting time was in
+  steps the governor did not count then). They are rare and costly, so they are kept apart: per mode, slowly
+  decayed (``PROMPT_DECAY``), their tokens and request-seconds and their share of the mode's samples; a mode's
+  rate mixes its decode / verify samples' (quickly decayed, as above) with theirs at that share. Each counts at
+  most ``PROMPT_STEP_CAP`` typical decode / verify steps of its mode (a moving mean), so that one long prompt's
+  prefill, which costs the same in both modes and falls in whichever runs, does not decide alone; one before the
+  mode's first decode / verify sample in the bucket is not counted. They never end a measurement or switch a mode
+  by themselves (``benchmarks/governor_sim.py``: with joins as costly in both modes, 0.99-1.0x of the better fixed
+  mode; with joins costlier while drafting, 0.93-1.0x where counting only decode steps gave 0.82-0.96x).
+- A bucket not measured yet drafts (as configured: a bucket whose steps all hold prompt chunks is never
   measured). Its first counted samples give each mode a first estimate (2 samples each, drafting first); from then
   on the bucket keeps the mode it chose, and measures the other for ``EXPLORE_STEPS`` counted samples (2 if it is
   clearly ahead or behind: ``CLEAR_LOSS``) every ``interval`` x (how many times longer its steps take, 1 to 4)
@@ -53,6 +64,8 @@ CLEAR_LOSS, CLEAR_LOSS_STEPS = 0.8, 2  # a measurement ends after 2 samples if t
 EXPLORE_INTERVAL_MIN, EXPLORE_INTERVAL_MAX = 32, 256  # counted samples between two measurements of the other mode
 MAX_COST_RATIO = 4  # ... times how many times longer its steps take (at most this): measuring costs less time
 BUCKET_SLACK = 0.25  # a step stays in the previous step's bucket this far (log2) past its edge: 46-90 keeps 39-107
+PROMPT_STEP_CAP = 3.0  # a step with a prompt chunk counts at most this many typical steps of its mode
+PROMPT_DECAY = 0.98  # weight a prompt-chunk statistic keeps per later sample of its mode
 
 Decision = tuple[int, bool]  # (bucket, drafting) given to a step
 
@@ -74,12 +87,16 @@ def bucket_name(bucket: int) -> str:
 
 
 class _Bucket:
-    __slots__ = ("mode", "chosen", "tokens", "seconds", "weights", "seen_at", "step", "run", "since", "interval")
+    __slots__ = ("mode", "chosen", "tokens", "seconds", "weights", "seen_at", "step", "run", "since", "interval",
+                 "step_seconds", "prompt")
 
     def __init__(self) -> None:
         self.mode = self.chosen = True  # drafting now; the mode chosen (they differ while the other is measured)
         self.tokens, self.seconds = [0.0, 0.0], [0.0, 0.0]  # decayed tokens and request-seconds, by drafting
         self.weights = [0.0, 0.0]  # decayed number of samples
+        self.step_seconds: list[float | None] = [None, None]  # a decode / verify step's wall seconds (moving mean)
+        # per mode, slowly decayed: prompt-chunk samples' tokens, request-seconds and count, and all samples' count
+        self.prompt = [[0.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]]
         self.seen_at = [0, 0]  # the step of the bucket at which each mode's estimate was last updated
         self.step = 0  # counted samples of the bucket
         self.run = 0  # counted samples of the current mode since it began
@@ -93,9 +110,31 @@ class _Bucket:
         self.weights[mode] = self.weights[mode] * w + 1.0
         self.seen_at[mode], self.step = self.step, self.step + 1
 
+    def add_to_share(self, mode: bool, num_tokens: int, request_seconds: float, is_prompt: bool) -> None:
+        p = self.prompt[mode]
+        p[:] = [x * PROMPT_DECAY for x in p]
+        if is_prompt:
+            p[0], p[1], p[2] = p[0] + num_tokens, p[1] + request_seconds, p[2] + 1.0
+        p[3] += 1.0
+
+    def add_decode_step(self, mode: bool, seconds: float) -> None:
+        mean = self.step_seconds[mode]
+        self.step_seconds[mode] = seconds if mean is None else DECAY * mean + (1 - DECAY) * seconds
+
+    def typical_step(self, mode: bool) -> float | None:
+        """A decode / verify step's wall seconds in ``mode`` (None: none measured yet)."""
+        return self.step_seconds[mode]
+
     def rate(self, mode: bool) -> float:
-        """Tokens per request-second."""
-        return self.tokens[mode] / self.seconds[mode]
+        """Tokens per request-second: the decode / verify samples' (quickly decayed), mixed with the prompt-chunk
+        samples' at their share of the mode's samples (slowly decayed: they are rare and costly)."""
+        tokens, seconds = self.tokens[mode] / self.weights[mode], self.seconds[mode] / self.weights[mode]
+        p_tokens, p_seconds, p_count, count = self.prompt[mode]
+        if p_count:
+            share = p_count / count
+            tokens = (1 - share) * tokens + share * p_tokens / p_count
+            seconds = (1 - share) * seconds + share * p_seconds / p_count
+        return tokens / seconds
 
     def cost_ratio(self, mode: bool) -> float:
         """How many steps of the other mode one step of ``mode`` takes, 1 to MAX_COST_RATIO."""
@@ -131,17 +170,27 @@ class SpeculationGovernor:
 
     def observe_step(self, num_tokens: int, num_requests: int, is_decode_only: bool) -> None:
         """A step ended now: it emitted ``num_tokens`` over its ``num_requests`` requests; ``is_decode_only``: no
-        request of it computed a prompt chunk (or recomputed after preemption)."""
+        request of it computed a prompt chunk (or recomputed after preemption): such a step counts capped."""
         now, last = self.clock(), self._last_end
         self._last_end = now
         prev, cur, nxt = self._prev, self._cur, self._next
         self._prev, self._cur, self._next = cur, nxt, None
         if cur is not None and not cur[1]:
             self.num_steps_off += 1
-        if last is None or now <= last or not is_decode_only or cur is None or not prev == cur == nxt \
+        if last is None or now <= last or cur is None or not prev == cur == nxt \
                 or not is_near_bucket(num_requests, cur[0]):
             return
-        self._learn(cur[0], cur[1], num_tokens, num_requests * (now - last))
+        seconds, b = now - last, self._buckets.get(cur[0])
+        if is_decode_only:
+            if b is None:
+                b = self._buckets[cur[0]] = _Bucket()
+            b.add_decode_step(cur[1], seconds)
+            b.add_to_share(cur[1], num_tokens, num_requests * seconds, False)
+            self._learn(cur[0], cur[1], num_tokens, num_requests * seconds)
+            return
+        typical = b.typical_step(cur[1]) if b is not None else None  # a prompt chunk's step: capped, once there
+        if typical is not None:                                       # is a typical step to cap it by
+            b.add_to_share(cur[1], num_tokens, num_requests * min(seconds, PROMPT_STEP_CAP * typical), True)
 
     def pause(self) -> None:
         """The engine had nothing to run: the next step's interval is not its cost."""
