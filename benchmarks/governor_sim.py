@@ -52,12 +52,15 @@ SCENARIOS: dict[str, Callable[[int], Cost]] = {
     "2x then 0.7x at half": lambda n: switch(ratio(2.0), ratio(0.7), n / 2),
     "alternating every 100": lambda n: lambda i, d, rng: (ratio(2.0) if i // 100 % 2 else ratio(0.7))(i, d, rng),
     # joins: the measured MTP shape at 16 requests (verifies 1.2x, joins 8x as often and 3x as long while drafting),
-    # joins as costly in both modes, and a rare prefill 30 steps long in whichever mode runs
+    # joins as costly in both modes, a rare prefill 30 steps long in whichever mode runs, and a long prompt whose
+    # chunks fill 32 steps in a row
     "1.2x, drafting's joins costlier": lambda n: joins(ratio(1.2, 2.5), (0.03, 0.125), (1.6, 5.0)),
     "break-even, drafting's joins 2x": lambda n: joins(ratio(1.0, 2.5), (0.05, 0.2), (3.0, 6.0)),
     "1.5x, joins alike": lambda n: joins(ratio(1.5, 2.5), (0.1, 0.1), (4.0, 4.0)),
     "0.8x, joins alike": lambda n: joins(ratio(0.8, 2.5), (0.1, 0.1), (4.0, 4.0)),
     "2x, a rare 30-step prefill": lambda n: joins(ratio(2.0, 2.5), (0.02, 0.02), (30.0, 30.0)),
+    "1.5x, a long prompt in 32 chunk steps every 1000": lambda n: lambda i, d, rng: (
+        (8.0, 0.0, False) if 500 <= i % 1000 < 532 else ratio(1.5, 2.5)(i, d, rng)),
 }
 
 

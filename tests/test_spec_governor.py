@@ -1,7 +1,8 @@
 """The speculation governor (spec_decode/governor.py): per batch-size bucket, a step drafts only while drafting's
 measured throughput beats not drafting's; it explores the other mode now and then, so a regime change brings
-drafting back; prefill steps and idle gaps are not measured. In the engine it only gates drafts, so the tokens are
-those without speculation and those with the governor off, with ngram and MTP, host-planned and queued ahead."""
+drafting back; joins (steps with prompt chunks in a row) count apart and capped, idle gaps not at all. In the engine
+it only gates drafts, so the tokens are those without speculation and those with the governor off, with ngram and
+MTP, host-planned and queued ahead."""
 
 import random
 from collections.abc import Callable
@@ -161,11 +162,11 @@ def test_batch_size_buckets_are_independent() -> None:
     assert steps.governor.as_dict()["governor_drafting"] == {"1": True, "46-90": False}
 
 
-def test_idle_gaps_are_not_measured_and_prompt_steps_only_after_a_decode_sample() -> None:
-    """Prompt steps before the bucket's first decode / verify sample are not counted (nothing to cap them by), and
-    an idle gap never is. Here drafting pays, while every 21st step holds a prompt chunk that takes 100 s when
-    drafting and 1 s when not, and every idle gap 1000 s: counted whole, they would turn drafting off; capped at 3
-    typical steps and mixed in at their share, drafting still pays."""
+def test_idle_gaps_are_not_measured_and_a_join_counts_capped() -> None:
+    """Drafting pays, while every 21st step holds a prompt chunk that takes 100 s when drafting and 1 s when not,
+    and every idle gap 1000 s: counted whole, they would turn drafting off; the gaps are not counted, the joins
+    capped at 3 typical steps and mixed in at their share, so drafting still pays. Joins before any decode sample
+    are not counted (nothing to cap them by)."""
     steps = Steps()
     steps.run(50, lambda i, d: (100.0, 1.0) if d else (1.0, 1.0), is_decode_only=False)
     assert steps.governor.as_dict()["governor_drafting"] == {}  # nothing learned
@@ -211,6 +212,33 @@ def test_joins_as_costly_in_both_modes_keep_paying_drafting_on() -> None:
         return (2.5 / 1.5, 2.5) if drafting else (1.0, 1.0)
 
     modes = alternate(Steps(), 3000, decode, lambda i, d: (4.0, 0.5), every=(10, 10))[1:]
+    assert sum(modes) >= 0.95 * len(modes), sum(modes)
+
+
+def test_a_join_before_its_modes_first_decode_sample_is_not_counted() -> None:
+    """The bucket has drafting's samples; the first steps without drafting hold prompt chunks: with no typical step
+    of that mode to cap them by, they are not counted (counted whole, one long join would decide)."""
+    steps = Steps()
+    while True:  # the new bucket's first drafting samples, until its first estimate of not drafting begins
+        steps.run(1, pays)
+        if not steps.drafting:
+            break
+    steps.run(3, lambda i, d: (50.0, 0.1), is_decode_only=False)
+    steps.run(1, pays)  # the join ends
+    assert steps.governor._buckets[bucket_of(8)].prompt[False][:3] == [0.0, 0.0, 0.0]  # no join's tokens, time, count
+
+
+def test_one_long_prompt_in_many_chunk_steps_counts_as_one_join() -> None:
+    """Drafting pays 1.5x; one long prompt's 32 chunks fill 32 steps in a row while drafting. They are one join,
+    capped at 3 typical steps: drafting stays on. (Counted as 32 capped samples, they made drafting lose for
+    thousands of steps.)"""
+    def decode(step: int, drafting: bool) -> tuple[float, float]:
+        return (2.5 / 1.5, 2.5) if drafting else (1.0, 1.0)
+
+    steps = Steps()
+    steps.run(500, decode)
+    steps.run(32, lambda i, d: (8.0, 0.0), is_decode_only=False)
+    modes = steps.run(2000, decode)
     assert sum(modes) >= 0.95 * len(modes), sum(modes)
 
 

@@ -26,14 +26,16 @@ request-second with drafting on and with drafting off, and lets a bucket's steps
   join costs more while drafting (the step is planned on the host, the drafter catches up on the prompt and drafts
   for the whole batch), and requests that accept different numbers of drafts finish apart, so they join one by
   one, in more such steps (BENCHMARKS.md, session 29: at 64 requests with MTP, 64% of the drafting time was in
-  steps the governor did not count then). They are rare and costly, so they are kept apart: per mode, slowly
-  decayed (``PROMPT_DECAY``), their tokens and request-seconds and their share of the mode's samples; a mode's
-  rate mixes its decode / verify samples' (quickly decayed, as above) with theirs at that share. Each counts at
-  most ``PROMPT_STEP_CAP`` typical decode / verify steps of its mode (a moving mean), so that one long prompt's
-  prefill, which costs the same in both modes and falls in whichever runs, does not decide alone; one before the
-  mode's first decode / verify sample in the bucket is not counted. They never end a measurement or switch a mode
-  by themselves (``benchmarks/governor_sim.py``: with joins as costly in both modes, 0.99-1.0x of the better fixed
-  mode; with joins costlier while drafting, 0.93-1.0x where counting only decode steps gave 0.82-0.96x).
+  steps the governor did not count then). Such steps in a row (a join, or one long prompt's chunks) are one
+  sample, counted when the run ends, at most ``PROMPT_STEP_CAP`` typical decode / verify steps of its mode long (a
+  moving mean, decayed x0.9 per sample), so that one long prompt, which costs the same in both modes and falls in
+  whichever runs, does not decide alone; a join before the mode's first decode / verify sample in the bucket is not
+  counted. Joins are rare and costly, so they are kept apart: per mode, decayed x``PROMPT_DECAY`` per sample of the
+  mode, their tokens and request-seconds and their share of the mode's samples; a mode's rate mixes its decode /
+  verify samples' (decayed as below) with theirs at that share. They never end a measurement or switch a mode by
+  themselves (``benchmarks/governor_sim.py``, 3000 steps: with joins as costly in both modes, 1.0x of the better
+  fixed mode; with joins costlier while drafting, 0.98-1.0x where counting only decode / verify steps gave
+  0.82-0.96x).
 - A bucket not measured yet drafts (as configured: a bucket whose steps all hold prompt chunks is never
   measured). Its first counted samples give each mode a first estimate (2 samples each, drafting first); from then
   on the bucket keeps the mode it chose, and measures the other for ``EXPLORE_STEPS`` counted samples (2 if it is
@@ -43,8 +45,8 @@ request-second with drafting on and with drafting off, and lets a bucket's steps
   losing (x4 on a clear loss), up to 256. So measuring a losing mode costs a few % of the time
   (``benchmarks/governor_sim.py``: within 5% of the better fixed mode over 3000 steps, 13% over 300, when
   drafting runs at 0.21x to 2.3x the speed of not drafting), and a regime change (acceptance rises, a batch that
-  is no longer compute-bound) is found within 1024 counted steps. Estimates decay per counted sample of the
-  bucket (x0.9), so a measurement taken long ago speaks only for itself.
+  is no longer compute-bound) is found within 1024 counted steps. The decode / verify estimates decay per counted
+  sample of the bucket (x0.9), so a measurement taken long ago speaks only for itself.
 
 The governor only gates: when a bucket drafts, each request's draft length still comes from draft_length.py;
 when it does not, every greedy request of the step drafts nothing (the drafters still catch up). A greedy token
@@ -64,7 +66,7 @@ CLEAR_LOSS, CLEAR_LOSS_STEPS = 0.8, 2  # a measurement ends after 2 samples if t
 EXPLORE_INTERVAL_MIN, EXPLORE_INTERVAL_MAX = 32, 256  # counted samples between two measurements of the other mode
 MAX_COST_RATIO = 4  # ... times how many times longer its steps take (at most this): measuring costs less time
 BUCKET_SLACK = 0.25  # a step stays in the previous step's bucket this far (log2) past its edge: 46-90 keeps 39-107
-PROMPT_STEP_CAP = 3.0  # a step with a prompt chunk counts at most this many typical steps of its mode
+PROMPT_STEP_CAP = 3.0  # a join (steps with prompt chunks in a row) counts at most this many typical steps
 PROMPT_DECAY = 0.98  # weight a prompt-chunk statistic keeps per later sample of its mode
 
 Decision = tuple[int, bool]  # (bucket, drafting) given to a step
@@ -157,6 +159,9 @@ class SpeculationGovernor:
         self._cur: Decision | None = None
         self._next: Decision | None = None
         self.num_steps_off = 0  # steps the governor turned drafting off for
+        # consecutive counted steps with prompt chunks, one sample when the run ends: (bucket, mode, tokens,
+        # request-seconds, requests of its last step)
+        self._join: tuple[int, bool, int, float, int] | None = None
 
     def is_drafting(self, num_running: int) -> bool:
         """Whether the next step drafts, with ``num_running`` requests running. The same answer until the next
@@ -180,21 +185,36 @@ class SpeculationGovernor:
         if last is None or now <= last or cur is None or not prev == cur == nxt \
                 or not is_near_bucket(num_requests, cur[0]):
             return
-        seconds, b = now - last, self._buckets.get(cur[0])
-        if is_decode_only:
-            if b is None:
-                b = self._buckets[cur[0]] = _Bucket()
-            b.add_decode_step(cur[1], seconds)
-            b.add_to_share(cur[1], num_tokens, num_requests * seconds, False)
-            self._learn(cur[0], cur[1], num_tokens, num_requests * seconds)
+        seconds, join = now - last, self._join
+        if not is_decode_only:  # a prompt chunk's step: part of a join, counted when the join ends
+            if join is not None and join[:2] != cur:
+                self._end_join()
+                join = None
+            tokens, request_seconds = (join[2], join[3]) if join is not None else (0, 0.0)
+            self._join = (*cur, tokens + num_tokens, request_seconds + num_requests * seconds, num_requests)
             return
-        typical = b.typical_step(cur[1]) if b is not None else None  # a prompt chunk's step: capped, once there
-        if typical is not None:                                       # is a typical step to cap it by
-            b.add_to_share(cur[1], num_tokens, num_requests * min(seconds, PROMPT_STEP_CAP * typical), True)
+        self._end_join()
+        b = self._buckets.get(cur[0])
+        if b is None:
+            b = self._buckets[cur[0]] = _Bucket()
+        b.add_decode_step(cur[1], seconds)
+        b.add_to_share(cur[1], num_tokens, num_requests * seconds, False)
+        self._learn(cur[0], cur[1], num_tokens, num_requests * seconds)
+
+    def _end_join(self) -> None:
+        """Count the run of prompt-chunk steps just ended as one sample of its bucket and mode, at most
+        ``PROMPT_STEP_CAP`` typical steps long (none yet: not counted)."""
+        join, self._join = self._join, None
+        b = self._buckets.get(join[0]) if join is not None else None
+        typical = b.typical_step(join[1]) if b is not None else None
+        if typical is not None:
+            bucket, mode, tokens, request_seconds, num_requests = join
+            b.add_to_share(mode, tokens, min(request_seconds, PROMPT_STEP_CAP * typical * num_requests), True)
 
     def pause(self) -> None:
-        """The engine had nothing to run: the next step's interval is not its cost."""
+        """The engine had nothing to run: the next step's interval is not its cost (a join in progress ends)."""
         self._last_end = None
+        self._end_join()
 
     def _learn(self, bucket: int, mode: bool, num_tokens: int, request_seconds: float) -> None:
         b = self._buckets.get(bucket)
