@@ -156,46 +156,50 @@ def tiled_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, n
     the splits merged (m = max m_i, l = sum l_i e^(m_i - m), out = sum acc_i e^(m_i - m) / l). After a tile's
     p = exp(s - m_new) and l = l * alpha + sum p, a tile whose largest p / l over the kv head's query heads is
     ``< threshold`` only rescales acc by alpha (its values are skipped). Returns the output [L, H, D] in q's
-    dtype and the number of (row, kv head, tile)s skipped."""
+    dtype and the number of (row, kv head, tile)s skipped. Each row's tiles are computed at once (``_attend_row``:
+    the online recurrences in closed form, the same values up to float64 rounding)."""
     query_len, num_heads, head_dim = q.shape
     num_kv_heads = keys.shape[1]
-    group = num_heads // num_kv_heads
-    q64, k64, v64 = (x.to(torch.float64) for x in (q, keys, values))
+    q64 = q.to(torch.float64).view(query_len, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    k64, v64 = (x.to(torch.float64).transpose(0, 1) for x in (keys, values))  # [H_kv, n, D]
     out = torch.zeros(query_len, num_heads, head_dim, dtype=torch.float64, device=q.device)
     num_skipped = 0
     for i in range(query_len):
         num_keys = num_cached + i + 1
-        split_size, _ = split_layout(num_keys, sparse_v.block_n, sparse_v.max_splits, sparse_v.min_split_keys)
         row_sparse_v = sparse_v if num_keys >= sparse_v.min_keys else sparse_v._replace(threshold=0.0)
-        for h in range(num_kv_heads):
-            heads = slice(h * group, (h + 1) * group)
-            bounds = [(start, min(start + split_size, num_keys)) for start in range(0, num_keys, split_size)]
-            splits = [_attend_split(q64[i, heads], k64[a:b, h], v64[a:b, h], scale, row_sparse_v) for a, b in bounds]
-            m_i, l_i, acc_i = (torch.stack(x) for x in list(zip(*splits, strict=True))[:3])  # [splits, G, ...]
-            w = torch.exp(m_i - m_i.amax(0))
-            out[i, heads] = (acc_i * w[..., None]).sum(0) / (l_i * w).sum(0)[:, None]
-            num_skipped += sum(split[3] for split in splits)
+        row, skipped = _attend_row(q64[i], k64[:, :num_keys], v64[:, :num_keys], scale, row_sparse_v)
+        out[i] = row.flatten(0, 1)
+        num_skipped += skipped
     return out.to(q.dtype), num_skipped
 
 
-def _attend_split(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float, sparse_v: SparseV
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:  # fmt: skip
-    """q [G, D] over one split's keys / values [n, D] (n >= 1), tile by tile: (m [G], l [G], acc [G, D], skipped)."""
-    m = torch.full(q.shape[:1], float("-inf"), dtype=q.dtype, device=q.device)
-    l = torch.zeros_like(m)
-    acc = torch.zeros_like(q)
-    num_skipped = 0
-    for tile in range(0, keys.shape[0], sparse_v.block_n):
-        k, v = keys[tile : tile + sparse_v.block_n], values[tile : tile + sparse_v.block_n]
-        s = (q @ k.T) * scale  # [G, n_tile]
-        m_new = torch.maximum(m, s.amax(1))
-        alpha = torch.exp(m - m_new)
-        p = torch.exp(s - m_new[:, None])
-        l = l * alpha + p.sum(1)
-        if ((p.amax(1) / l).amax() < sparse_v.threshold).item():
-            acc = acc * alpha[:, None]
-            num_skipped += 1
-        else:
-            acc = acc * alpha[:, None] + p @ v
-        m = m_new
-    return m, l, acc, num_skipped
+def _attend_row(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float, sparse_v: SparseV
+                ) -> tuple[torch.Tensor, int]:  # fmt: skip
+    """One query row, q [H_kv, G, D] over keys / values [H_kv, n, D] (n >= 1): its output [H_kv, G, D] and the
+    (kv head, tile)s skipped. Within a split, tile t's running max is the cummax of the tile maxima, its running
+    sum l_t = sum over tiles t' <= t of sum_j exp(s_t'j - m_t), and the accumulator at the split's end the sum of
+    its kept tiles' exp(s - m) v: what the tile-by-tile recurrences give."""
+    num_kv_heads, group, _ = q.shape
+    n, block_n = keys.shape[1], sparse_v.block_n
+    split_size, num_splits = split_layout(n, block_n, sparse_v.max_splits, sparse_v.min_split_keys)
+    tiles_per_split = split_size // block_n
+    width = num_splits * split_size  # keys padded to whole splits: scores -inf, never a tile's max
+    s = torch.full((num_kv_heads, group, width), float("-inf"), dtype=q.dtype, device=q.device)
+    s[..., :n] = (q @ keys.transpose(1, 2)) * scale
+    s = s.view(num_kv_heads, group, num_splits, tiles_per_split, block_n)
+    m = s.amax(-1).cummax(-1).values  # [H_kv, G, splits, tiles]: the running max after each tile
+    m_end = m[..., -1:]  # each split's final max (every split holds a key)
+    e = torch.exp(s - m[..., None]).sum(-1)  # a tile's sum of exp(s - its running max)
+    l = (e * torch.exp(m - m_end)).cumsum(-1) * torch.exp(m_end - m)  # the running sum after each tile
+    ratio = torch.exp(s.amax(-1) - m) / l  # a tile's largest p / l
+    is_real = torch.arange(num_splits * tiles_per_split, device=q.device).view(num_splits, tiles_per_split) \
+        < -(-n // block_n)
+    skip = (ratio.amax(1) < sparse_v.threshold) & is_real  # [H_kv, splits, tiles], over the group's heads
+    p = torch.exp(s - m_end[..., None]) * ~skip[:, None, :, :, None]  # kept tiles' weights at the split's end
+    v = torch.zeros(num_kv_heads, width, values.shape[-1], dtype=q.dtype, device=q.device)
+    v[:, :n] = values
+    acc = torch.einsum("hgsk,hskd->hgsd", p.flatten(-2), v.view(num_kv_heads, num_splits, split_size, -1))
+    l_end, m_end = l[..., -1], m_end[..., 0]  # [H_kv, G, splits]
+    w = torch.exp(m_end - m_end.amax(-1, keepdim=True))
+    out = (acc * w[..., None]).sum(-2) / (l_end * w).sum(-1)[..., None]
+    return out, int(skip.sum())
