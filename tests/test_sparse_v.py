@@ -32,7 +32,7 @@ from helpers.kernels import GPU_TOL_SCALE, TOL, assert_near, assert_padding_zero
 from truespec.kernels.paged_attention import BLOCK_N, MAX_SPLITS, MIN_SPLIT_KEYS, paged_attention  # noqa: E402
 from truespec.kernels.paged_attention_packed import paged_attention_packed  # noqa: E402
 from truespec.kv_cache.formats import FORMATS  # noqa: E402
-from truespec.ops.attention import SparseV, paged_attention_skips_ref  # noqa: E402
+from truespec.ops.attention import SparseV, paged_attention_skips_ref, split_layout, tiled_attention  # noqa: E402
 
 LAYOUT = dict(block_n=16, max_splits=2, min_split_keys=32)  # splits of >= 2 tiles
 UNSPLIT = dict(block_n=16, max_splits=1, min_split_keys=16)  # one chain of up to 7 tiles per row
@@ -137,6 +137,52 @@ def test_skipping_row_is_bitwise_same_alone_in_verify_and_in_mixed_batch(name: s
                                                                           ) -> None:  # fmt: skip
     check_skipping_rows_same_alone_and_in_batches(name, dtype, 4, 16, 4, context=99, k=3, layout=LAYOUT,
                                                   peak=PEAK)  # fmt: skip
+
+
+def _tile_by_tile(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float, sv: SparseV
+                  ) -> tuple[torch.Tensor, int]:  # fmt: skip
+    """One row and kv head (q [G, D], keys / values [n, D]) as the kernels loop: splits, tiles, online softmax."""
+    split_size, _ = split_layout(keys.shape[0], sv.block_n, sv.max_splits, sv.min_split_keys)
+    parts, num_skipped = [], 0
+    for a in range(0, keys.shape[0], split_size):
+        m = torch.full(q.shape[:1], float("-inf"), dtype=q.dtype)
+        l, acc = torch.zeros_like(m), torch.zeros_like(q)
+        for t in range(a, min(a + split_size, keys.shape[0]), sv.block_n):
+            b = min(t + sv.block_n, a + split_size, keys.shape[0])
+            s = (q @ keys[t:b].T) * scale
+            m_new = torch.maximum(m, s.amax(1))
+            alpha, p = torch.exp(m - m_new), torch.exp(s - m_new[:, None])
+            l = l * alpha + p.sum(1)
+            skip = bool((p.amax(1) / l).amax() < sv.threshold)
+            acc = acc * alpha[:, None] + (0 if skip else p @ values[t:b])
+            m, num_skipped = m_new, num_skipped + skip
+        parts.append((m, l, acc))
+    m_i, l_i, acc_i = (torch.stack(x) for x in zip(*parts, strict=True))
+    w = torch.exp(m_i - m_i.amax(0))
+    return (acc_i * w[..., None]).sum(0) / (l_i * w).sum(0)[:, None], num_skipped
+
+
+@pytest.mark.parametrize("threshold", [0.0, 1e-2, 5e-2])
+def test_the_tiled_reference_is_the_tile_by_tile_recurrence(threshold: float) -> None:
+    """``tiled_attention`` computes each row's tiles at once (closed forms of the running max and sum); a loop over
+    splits and tiles, as the kernels run, gives the same outputs (float64 rounding) and skips the same tiles, on
+    peaked rows of 1 to ~700 keys in layouts of 1 to 64 splits."""
+    gen = torch.Generator().manual_seed(3)
+    num_skipped = 0
+    for num_keys, layout in [(1, LAYOUT), (37, UNSPLIT), (300, LAYOUT), (700, dict(block_n=32, max_splits=64,
+                                                                                  min_split_keys=64))]:
+        sv = SparseV(threshold, **layout)
+        q = 6 * torch.randn(1, 8, 16, generator=gen, dtype=torch.float64)  # one row, 2 kv heads x 4: peaked scores
+        keys = 2 * torch.randn(num_keys, 2, 16, generator=gen, dtype=torch.float64)
+        values = torch.randn(num_keys, 2, 16, generator=gen, dtype=torch.float64)
+        out, skipped = tiled_attention(q, keys, values, num_keys - 1, 0.25, sv)
+        for h in range(2):
+            expected, expected_skipped = _tile_by_tile(q[0, 4 * h:4 * h + 4], keys[:, h], values[:, h], 0.25, sv)
+            torch.testing.assert_close(out[0, 4 * h:4 * h + 4], expected, rtol=1e-12, atol=1e-12)
+            skipped -= expected_skipped
+            num_skipped += expected_skipped
+        assert skipped == 0
+    assert (num_skipped > 0) == (threshold > 0)
 
 
 def test_sparse_v_threshold_is_checked() -> None:
