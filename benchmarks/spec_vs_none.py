@@ -62,8 +62,9 @@ METHODS |= {f"{name} {variant}": METHODS[name] | extra for name in ("ngram k=8",
 
 class StepLog:
     """Every step the governor hears of in the timed run, by its mode (drafting or not) and whether the governor
-    counted it (steps with a prefill chunk, beside a mode switch or in another bucket are not): request-seconds,
-    tokens and steps. Tells whether a mode's counted rate is its real one (session 16: MTP's drafting estimate was
+    counted it as a decode / verify sample (steps beside a mode switch or in another bucket are not; steps with a
+    prompt chunk show as uncounted here, though the governor counts them apart, as joins): request-seconds, tokens
+    and steps. Tells whether a mode's counted rate is its real one (session 16: MTP's drafting estimate was
     3.3x too high at BS 64)."""
 
     def __init__(self, llm: LLM) -> None:

@@ -194,12 +194,7 @@ class SpeculationGovernor:
             self._join = (*cur, tokens + num_tokens, request_seconds + num_requests * seconds, num_requests)
             return
         self._end_join()
-        b = self._buckets.get(cur[0])
-        if b is None:
-            b = self._buckets[cur[0]] = _Bucket()
-        b.add_decode_step(cur[1], seconds)
-        b.add_to_share(cur[1], num_tokens, num_requests * seconds, False)
-        self._learn(cur[0], cur[1], num_tokens, num_requests * seconds)
+        self._learn(cur[0], cur[1], num_tokens, num_requests * seconds, seconds)
 
     def _end_join(self) -> None:
         """Count the run of prompt-chunk steps just ended as one sample of its bucket and mode, at most
@@ -208,7 +203,7 @@ class SpeculationGovernor:
         b = self._buckets.get(join[0]) if join is not None else None
         typical = b.typical_step(join[1]) if b is not None else None
         if typical is not None:
-            bucket, mode, tokens, request_seconds, num_requests = join
+            _, mode, tokens, request_seconds, num_requests = join
             b.add_to_share(mode, tokens, min(request_seconds, PROMPT_STEP_CAP * typical * num_requests), True)
 
     def pause(self) -> None:
@@ -216,13 +211,16 @@ class SpeculationGovernor:
         self._last_end = None
         self._end_join()
 
-    def _learn(self, bucket: int, mode: bool, num_tokens: int, request_seconds: float) -> None:
+    def _learn(self, bucket: int, mode: bool, num_tokens: int, request_seconds: float, seconds: float) -> None:
+        """A counted decode / verify step of ``seconds`` (``request_seconds`` over its requests) in ``mode``."""
         b = self._buckets.get(bucket)
         if b is None:
             b = self._buckets[bucket] = _Bucket()
         if mode != b.mode:  # cannot happen (a switch drops the steps beside it); never learn from it
             return
         b.add(mode, num_tokens, request_seconds)
+        b.add_decode_step(mode, seconds)
+        b.add_to_share(mode, num_tokens, request_seconds, False)
         b.run += 1
         other = not mode
         if mode != b.chosen:  # measuring the other mode: it takes over only if clearly faster
