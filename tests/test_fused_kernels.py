@@ -154,6 +154,45 @@ def check_gdn_gating(dtype: torch.dtype, num_tokens: int, heads: int, tol_scale:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_rows_from_the_fixed_table_are_the_bits_of_their_positions_angles(dtype: torch.dtype) -> None:
+    """The engine's RoPE on CUDA (``init_fixed_table``): each step gathers its rows of one [P, 2 R] table instead
+    of computing them. Each row has the bits the position's own angles give (the table comes from the same ops),
+    a position past the table reads its last row, and the kernel reads the gathered views (row stride 2 R) as it
+    reads contiguous cos / sin: the same q / k bits."""
+    head_dim, rotary_dim, num_positions = 16, 8, 300
+    inv_freq = 1.0 / (1e7 ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim))
+    rope = rotary.RotaryEmbedding(head_dim, rotary_dim, inv_freq, 1.0)
+    rope.init_buffers(DEVICE)
+    gen = torch.Generator().manual_seed(7)
+    positions = torch.randint(0, num_positions, (13,), generator=gen).to(DEVICE)
+    angles = rope._angles(positions, dtype)
+    rope.init_fixed_table(num_positions, dtype)
+    cos, sin = rope(positions, dtype)
+    assert cos.stride(0) == sin.stride(0) == 2 * rotary_dim
+    assert torch.equal(cos, angles[0]) and torch.equal(sin, angles[1])
+    past = rope(torch.tensor([num_positions + 5], device=DEVICE), dtype)
+    assert torch.equal(past[0], rope._angles(torch.tensor([num_positions - 1], device=DEVICE), dtype)[0])
+    q, k = randn(13, 2, head_dim, dtype=dtype, gen=gen), randn(13, 1, head_dim, dtype=dtype, gen=gen)
+    for a, b in zip(qk_norm_rope(q, k, cos, sin, None, None, 0.0, False),
+                    qk_norm_rope(q, k, *angles, None, None, 0.0, False), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_a_drafter_head_shares_its_targets_rope_table() -> None:
+    """``share_fixed_tables``: one table per set of frequencies (an MTP head's RoPE is its target's), another for
+    other frequencies."""
+    def rope(theta: float) -> rotary.RotaryEmbedding:
+        inv_freq = 1.0 / (theta ** (torch.arange(0, 8, 2, dtype=torch.float32) / 8))
+        return rotary.RotaryEmbedding(16, 8, inv_freq, 1.0)
+
+    target, head, other = torch.nn.Sequential(rope(1e7)), torch.nn.Sequential(rope(1e7)), torch.nn.Sequential(rope(1e4))
+    rotary.share_fixed_tables([target, head, other], 64, torch.float32)
+    assert target[0].fixed_table is head[0].fixed_table and target[0].fixed_table.shape == (64, 16)
+    assert other[0].fixed_table is not target[0].fixed_table
+    assert not torch.equal(other[0].fixed_table, target[0].fixed_table)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_gdn_gating_matches_reference(dtype: torch.dtype) -> None:
     for num_tokens in ROW_COUNTS:
         check_gdn_gating(dtype, num_tokens, heads=6)
@@ -220,3 +259,27 @@ def test_gpu_fused_kernels_at_qwen3_5_size(dtype: torch.dtype) -> None:
         check_add_rms_norm(dtype, num_tokens, dim=1024, unit_offset=True, tol_scale=GPU_TOL_SCALE)
         check_qk_norm_rope(dtype, num_tokens, 8, 2, 256, 64, "unit_offset", gated=True, tol_scale=GPU_TOL_SCALE)
         check_gdn_gating(dtype, num_tokens, heads=16, tol_scale=GPU_TOL_SCALE)
+
+
+def test_an_engine_on_rope_tables_gives_the_same_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine builds the tables on CUDA; here on the CPU (float64, MTP): once its target and MTP head gather
+    their RoPE rows from shared tables (the angles, and the CPU's own table, are never used again: they would raise),
+    every token is the same."""
+    from truespec import LLM, SamplingParams
+
+    llm = LLM(dtype="float64", device="cpu", max_model_len=256, max_num_seqs=2,
+              speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+    prompts, params = ["def add(a, b):", "import os\n"], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    expected = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    engine = llm.llm_engine
+    models = [engine.runner.model, engine.handoff.proposer.head]
+    rotary.share_fixed_tables(models, 256 + 2 + 1, torch.float64)
+    ropes = [m for model in models for m in model.modules() if isinstance(m, rotary.RotaryEmbedding)]
+    assert len(ropes) == 2 and ropes[0].fixed_table is ropes[1].fixed_table
+
+    def computed(*args: object) -> None:
+        raise AssertionError("RoPE angles computed despite the table")
+    monkeypatch.setattr(rotary.RotaryEmbedding, "_angles", computed)
+    monkeypatch.setattr(rotary.RotaryEmbedding, "_table", computed)  # the CPU's own growing table
+    llm.reset_prefix_cache()
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == expected

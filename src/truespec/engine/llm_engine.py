@@ -24,6 +24,7 @@ from truespec.kv_cache.manager import KVCacheManager
 from truespec.kv_cache.sizing import checkpoint_share, num_kv_blocks, prefix_settings, resolve_max_model_len
 from truespec.layers.gdn import chunked_prefill_min_len
 from truespec.layers.linear import set_batch_invariant
+from truespec.layers.rotary import share_fixed_tables
 from truespec.models.loader import load_model
 from truespec.outputs import RequestOutput
 from truespec.sampling_params import SamplingParams
@@ -62,8 +63,11 @@ class LLMEngine:
         self.max_model_len = resolve_max_model_len(config.max_model_len, self.hf_config)
         self.vocab_size = self.hf_config.vocab_size
         drafter = load_drafter(spec, loaded, self.device)  # weights only: the KV pool is sized after it
-        for model in (loaded.model, drafter) if drafter is not None else (loaded.model,):
+        models = [loaded.model] if drafter is None else [loaded.model, drafter]
+        for model in models:
             set_sparse_v(model, cache)
+        if self.device.type == "cuda":  # RoPE rows gathered from a table, built before any capture (5 launches fewer)
+            share_fixed_tables(models, self.max_model_len + config.num_speculative_tokens + 1, self.dtype)
         if drafter is not None:
             set_batch_invariant(drafter, config.batch_invariant)
         self.stop_checker = StopChecker(self.tokenizer, self.hf_config, config.model)

@@ -65,14 +65,32 @@ class RotaryEmbedding(nn.Module):
         self._inv_freq_host = inv_freq  # [rotary_dim // 2] float32 on CPU, survives to_empty()
         self.register_buffer("inv_freq", inv_freq.clone(), persistent=False)
         self._tables: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}  # the CPU's cos / sin by dtype
+        self.fixed_table: torch.Tensor | None = None  # [P, 2 rotary_dim]: cos | sin of positions 0 .. P - 1
+        self._fixed_dtype: torch.dtype | None = None
 
     def init_buffers(self, device: torch.device) -> None:
         """Re-create ``inv_freq`` on ``device`` (after the model was materialised from the meta device)."""
         self.inv_freq = self._inv_freq_host.to(device)
-        self._tables = {}
+        self._tables, self.fixed_table, self._fixed_dtype = {}, None, None
+
+    def init_fixed_table(self, num_positions: int, dtype: torch.dtype, table: torch.Tensor | None = None) -> None:
+        """(cos, sin) of positions 0 .. ``num_positions`` - 1 in ``dtype``, one [P, 2 rotary_dim] table on
+        ``inv_freq``'s device, computed by the same ops as a step's positions (so each row has the bits those give):
+        a step then gathers its rows (2 launches) instead of computing them (7). Built before any CUDA graph is
+        captured (a captured gather reads it in place, so it never grows). ``table``: one built by another
+        RotaryEmbedding with the same frequencies (``share_fixed_tables``)."""
+        if table is None:
+            cos, sin = self._angles(torch.arange(num_positions, device=self.inv_freq.device), dtype)
+            table = torch.cat([cos, sin], dim=-1)
+        self.fixed_table, self._fixed_dtype = table, dtype
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         # positions: [num_tokens] int64 -> cos, sin: [num_tokens, rotary_dim] in ``dtype``.
+        if self.fixed_table is not None and dtype == self._fixed_dtype:
+            # a position past the table (only a padded row's stale one can be: the engine sizes it to every position
+            # a request reaches) reads the last row instead of faulting
+            rows = self.fixed_table.index_select(0, positions.clamp(max=self.fixed_table.shape[0] - 1))
+            return rows[:, :self.rotary_dim], rows[:, self.rotary_dim:]  # views with a row stride of 2 rotary_dim
         if positions.device.type == "cpu" and positions.numel():  # rows of a table: ~6 small ops fewer a step
             cos, sin = self._table(int(positions.max()) + 1, dtype)
             return cos[positions], sin[positions]
@@ -98,6 +116,16 @@ class RotaryEmbedding(nn.Module):
 
     def extra_repr(self) -> str:
         return f"head_dim={self.head_dim}, rotary_dim={self.rotary_dim}, scaling={self.attention_scaling}"
+
+
+def share_fixed_tables(models: list[nn.Module], num_positions: int, dtype: torch.dtype) -> None:
+    """Give every RotaryEmbedding of ``models`` (a target and its drafter) a fixed table of ``num_positions`` rows
+    (``init_fixed_table``), one table per distinct set of frequencies: an MTP / EAGLE head's RoPE is its target's."""
+    tables: dict[tuple, torch.Tensor] = {}
+    for rope in (m for model in models for m in model.modules() if isinstance(m, RotaryEmbedding)):
+        key = (rope.rotary_dim, rope.attention_scaling, tuple(rope._inv_freq_host.tolist()), rope.inv_freq.device)
+        rope.init_fixed_table(num_positions, dtype, tables.get(key))
+        tables[key] = rope.fixed_table
 
 
 def apply_qk_norm_rotary(
