@@ -154,11 +154,13 @@ def check_gdn_gating(dtype: torch.dtype, num_tokens: int, heads: int, tol_scale:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_rope_rows_from_the_fixed_table_are_the_bits_of_their_positions_angles(dtype: torch.dtype) -> None:
+def test_rope_rows_from_the_fixed_table_are_the_bits_of_their_positions_angles(dtype: torch.dtype,
+                                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     """The engine's RoPE on CUDA (``init_fixed_table``): each step gathers its rows of one [P, 2 R] table instead
-    of computing them. Each row has the bits the position's own angles give (the table comes from the same ops),
-    a position past the table reads its last row, and the kernel reads the gathered views (row stride 2 R) as it
-    reads contiguous cos / sin: the same q / k bits."""
+    of computing them. Each row has the bits the position's own angles give (the table comes from the same ops, in
+    chunks), a position past the table reads its last row, and the kernel reads the gathered views (row stride 2 R)
+    as it reads contiguous cos / sin: the same q / k bits."""
+    monkeypatch.setattr(rotary, "TABLE_CHUNK", 64)  # 300 positions in 5 chunks
     head_dim, rotary_dim, num_positions = 16, 8, 300
     inv_freq = 1.0 / (1e7 ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim))
     rope = rotary.RotaryEmbedding(head_dim, rotary_dim, inv_freq, 1.0)
@@ -283,3 +285,45 @@ def test_an_engine_on_rope_tables_gives_the_same_tokens(monkeypatch: pytest.Monk
     monkeypatch.setattr(rotary.RotaryEmbedding, "_table", computed)  # the CPU's own growing table
     llm.reset_prefix_cache()
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == expected
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_gpu_rope_table_rows_are_their_angles_bits_at_qwen3_5_length(dtype: torch.dtype) -> None:
+    """Qwen3.5's RoPE (head_dim 256, rotary 64, theta 1e7) over its 262,144 positions (+ 4 lookahead): CUDA's
+    cos / sin of each row, gathered from the table, have the bits computed for the step's own positions."""
+    inv_freq = 1.0 / (1e7 ** (torch.arange(0, 64, 2, dtype=torch.float32) / 64))
+    rope = rotary.RotaryEmbedding(256, 64, inv_freq, 1.0)
+    rope.init_buffers(torch.device("cuda"))
+    num_positions = 262_144 + 4
+    gen = torch.Generator().manual_seed(11)
+    positions = torch.cat([torch.randint(0, num_positions, (4093,), generator=gen),
+                           torch.tensor([0, 1, num_positions - 2, num_positions - 1])]).cuda()
+    expected = rope._angles(positions, dtype)
+    rope.init_fixed_table(num_positions, dtype)
+    for got, want in zip(rope(positions, dtype), expected, strict=True):
+        assert torch.equal(got, want)
+
+
+@gpu
+@needs_cuda
+def test_gpu_an_engine_on_rope_tables_gives_the_bits_of_one_without(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The embedded model with MTP, bf16, CUDA graphs: with the engine's RoPE tables (the default on CUDA) and
+    without them (each forward computes its angles), the same tokens and logprob bits."""
+    from truespec import LLM, SamplingParams
+    from truespec.engine import llm_engine
+
+    prompts = ["def add(a, b):", "import os\n", "class Stack:\n    def push(self, x):"]
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True, logprobs=1)
+
+    def run() -> list[tuple[list[int], list[float]]]:
+        llm = LLM(dtype="bfloat16", device="cuda", max_model_len=512, max_num_seqs=4,
+                  speculative_config={"method": "mtp", "num_speculative_tokens": 3})
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        return [(o.outputs[0].token_ids, [lp[t] for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids,
+                                                                  strict=True)]) for o in outs]
+
+    with_tables = run()
+    monkeypatch.setattr(llm_engine, "share_fixed_tables", lambda *args: None)
+    assert run() == with_tables

@@ -61,13 +61,15 @@ class LLMEngine:
         set_batch_invariant(loaded.model, config.batch_invariant)
         self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(config.tokenizer or config.model)
         self.max_model_len = resolve_max_model_len(config.max_model_len, self.hf_config)
+        # positions a request's KV (its drafts' included) may reach: its block tables' length and the RoPE table's
+        max_positions = self.max_model_len + config.num_speculative_tokens + 1
         self.vocab_size = self.hf_config.vocab_size
         drafter = load_drafter(spec, loaded, self.device)  # weights only: the KV pool is sized after it
         models = [loaded.model] if drafter is None else [loaded.model, drafter]
         for model in models:
             set_sparse_v(model, cache)
         if self.device.type == "cuda":  # RoPE rows gathered from a table, built before any capture (5 launches fewer)
-            share_fixed_tables(models, self.max_model_len + config.num_speculative_tokens + 1, self.dtype)
+            share_fixed_tables(models, max_positions, self.dtype)
         if drafter is not None:
             set_batch_invariant(drafter, config.batch_invariant)
         self.stop_checker = StopChecker(self.tokenizer, self.hf_config, config.model)
@@ -91,7 +93,7 @@ class LLMEngine:
         graphs = GraphSettings(
             mode=config.cudagraph_mode, block_size=cache.block_size,
             capture_sizes=config.compilation_config.capture_sizes(config.max_num_batched_tokens + n * k),
-            max_blocks_per_req=-(-(self.max_model_len + k + 1) // cache.block_size))
+            max_blocks_per_req=-(-max_positions // cache.block_size))
         self.runner.init_graphs(graphs)
         # fla runs the GDN prefill of long prompts (bf16 / fp16 on CUDA): their chunks are cut where its bits agree
         self.gdn_rule = GdnPrefillRule.create(chunked_prefill_min_len(loaded.model, self.device),

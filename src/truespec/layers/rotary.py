@@ -22,6 +22,7 @@ from truespec.ops.rotary import qk_norm_rope_ref
 # "dynamic" and "longrope" change inv_freq with the longest sequence in the *batch* in transformers:
 # batch-dependent math that a paged KV cache (and invariant 1) cannot honour.
 _BATCH_DEPENDENT_ROPE = ("dynamic", "longrope")
+TABLE_CHUNK = 16384  # positions a fixed table is built from at a time
 
 
 def _default_inv_freq(rope_theta: float, rotary_dim: int) -> torch.Tensor:
@@ -79,16 +80,21 @@ class RotaryEmbedding(nn.Module):
         a step then gathers its rows (2 launches) instead of computing them (7). Built before any CUDA graph is
         captured (a captured gather reads it in place, so it never grows). ``table``: one built by another
         RotaryEmbedding with the same frequencies (``share_fixed_tables``)."""
-        if table is None:
-            cos, sin = self._angles(torch.arange(num_positions, device=self.inv_freq.device), dtype)
-            table = torch.cat([cos, sin], dim=-1)
+        if table is None:  # in chunks: the temporaries stay small (the engine sizes its KV pool after this)
+            device, r = self.inv_freq.device, self.rotary_dim
+            table = torch.empty(num_positions, 2 * r, dtype=dtype, device=device)
+            for start in range(0, num_positions, TABLE_CHUNK):
+                cos, sin = self._angles(torch.arange(start, min(start + TABLE_CHUNK, num_positions), device=device),
+                                        dtype)
+                table[start:start + len(cos), :r], table[start:start + len(cos), r:] = cos, sin
         self.fixed_table, self._fixed_dtype = table, dtype
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         # positions: [num_tokens] int64 -> cos, sin: [num_tokens, rotary_dim] in ``dtype``.
         if self.fixed_table is not None and dtype == self._fixed_dtype:
-            # a position past the table (only a padded row's stale one can be: the engine sizes it to every position
-            # a request reaches) reads the last row instead of faulting
+            # a position past the table reads its last row instead of faulting: the engine sizes it to every position
+            # a live request reaches (max_model_len + k); the warm-up's prompts (up to max_num_batched_tokens) and the
+            # discarded rows of a request that finished while its next step was queued may pass it
             rows = self.fixed_table.index_select(0, positions.clamp(max=self.fixed_table.shape[0] - 1))
             return rows[:, :self.rotary_dim], rows[:, self.rotary_dim:]  # views with a row stride of 2 rotary_dim
         if positions.device.type == "cpu" and positions.numel():  # rows of a table: ~6 small ops fewer a step
