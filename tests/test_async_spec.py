@@ -298,7 +298,7 @@ def test_draft_model_drafts_on_device_are_its_greedy_continuation(embedded: tupl
     greedy = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     llm = spec_engine("draft_model", True, max_num_seqs=4, max_num_batched_tokens=256)
     engine = llm.llm_engine
-    drafter, truth, checked, joined = engine.proposer, {}, [], []
+    drafter, truth, checked, joined, chunks = engine.proposer, {}, [], [], []
     if chain:
         drafter.chain = DraftChain(drafter.head, 3, [1, 2, 4, 8], -(-(2048 + 3 + 1) // 16), 16, None,
                                    torch.device("cpu"), reads_tokens=True)
@@ -311,7 +311,11 @@ def test_draft_model_drafts_on_device_are_its_greedy_continuation(embedded: tupl
         qsl = step.inputs.ctx.query_start_loc[:len(step.rows) + 1]
         prompt_rows = torch.tensor([row.query_len - row.num_logits for row in step.rows])  # a joining request's
         lengths = (step.inputs.positions[qsl[:-1]] + prompt_rows + drafts.num_accepted + 2).tolist()  # + new token
-        for r, length, ids in zip(step.sched.scheduled, lengths, drafts.next_ids.tolist(), strict=True):
+        for r, length, ids, row in zip(step.sched.scheduled, lengths, drafts.next_ids.tolist(), step.rows,
+                                       strict=True):
+            if not row.num_logits:  # an earlier chunk of a prompt: the drafter only caught up on it
+                chunks.append(r.request_id)
+                continue
             if length > len(truth[r.request_id]):  # it reached max_tokens in the step before: these rows are dropped
                 continue
             tokens = truth[r.request_id][:length]
@@ -330,6 +334,7 @@ def test_draft_model_drafts_on_device_are_its_greedy_continuation(embedded: tupl
         engine.step()
     assert len(checked) > 30 and sum(shifted for _, _, shifted in checked) > 10  # many queued behind a verify
     assert sum(joined) >= 2  # requests joined the batch (4 running of 6): drafted behind their prompts' last chunks
+    assert chunks  # and behind their earlier chunks (with prefix caching, chunks end at state checkpoints)
     assert not chain or len(runs) > 10
     alone = LLM(str(DEFAULT_DRAFT_MODEL_DIR), dtype="float64", device="cpu", max_model_len=2048)
     continued = alone.generate([{"prompt_token_ids": tokens} for tokens, _, _ in checked],
@@ -392,10 +397,21 @@ def test_drafting_on_the_device_behind_a_prompt_chunk() -> None:
     overlap.drafter.device_reach = 13  # positions 20..32: past its 2 blocks
     assert not overlap._drafts_on_device(chunk(), is_ahead=True)
     overlap.drafter.device_reach = 3
-    assert not overlap._drafts_on_device(chunk(is_last_chunk=False), is_ahead=False)
+    # an earlier chunk: drafted behind only beside a request that gets logits, its blocks one position past the reach
+    assert not overlap._drafts_on_device(chunk(is_last_chunk=False), is_ahead=False)  # nothing would be drafted
+    decode = NS(request_id="b", is_last_chunk=True, num_new_tokens=1, params=greedy, num_computed_tokens=40,
+                num_scheduled_tokens=1, block_ids=[3, 4, 5, 6], prompt_logprob_token_ids=[], num_prompt_rows=0)
+    beside = chunk(is_last_chunk=False)
+    beside.scheduled.insert(0, decode)
+    overlap.drafter.device_reach = 11  # its drafts up to position 31: the last of its 2 blocks
+    assert overlap._drafts_on_device(beside, is_ahead=False)
+    overlap.drafter.device_reach = 12
+    assert not overlap._drafts_on_device(beside, is_ahead=False)
+    overlap.drafter.device_reach = 3
     assert not overlap._drafts_on_device(chunk(prompt_logprobs=(5, 6)), is_ahead=False)
     overlap.drafter.drafts_after_prompts = False
     assert not overlap._drafts_on_device(chunk(), is_ahead=False)
+    assert not overlap._drafts_on_device(beside, is_ahead=False)
 
 
 @pytest.mark.parametrize("method", ["mtp", "draft_model"])
@@ -410,6 +426,42 @@ def test_joining_a_queued_verify_near_max_tokens(method: str) -> None:
     llm = spec_engine(method, True, max_model_len=256, max_num_seqs=2, enable_prefix_caching=False)
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == reference
     assert llm.llm_engine.overlap.num_admitted_ahead > 0
+    assert_all_free(llm)
+
+
+@pytest.mark.parametrize("method", ["mtp", "eagle", "draft_model"])
+def test_prompts_in_several_chunks_join_verifies_queued_ahead(method: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With prefix caching on a hybrid target a prompt's chunks end at its state checkpoints, so a joining prompt
+    takes two steps or more. The drafter drafts behind a step with an earlier chunk on the device too (only catching
+    up on that request) and the request's next chunk rides the verify queued after it: no step of the run is
+    planned on the host after the first and no proposer drafts on the host; the tokens of the run without
+    speculation, every block and state slot free at the end."""
+    prompts = random_prompts([45, 20, 70, 33, 90, 17, 52, 64], seed=11)  # 2 to 6 chunks each (blocks of 16)
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    base = LLM(str(DEFAULT_MODEL_DIR), dtype="float64", device="cpu", max_model_len=256)
+    reference = [o.outputs[0].token_ids for o in base.generate(prompts, params, use_tqdm=False)]
+    llm = spec_engine(method, True, max_model_len=256, max_num_seqs=3, max_num_batched_tokens=40,
+                      prefix_state_interval=32)
+    engine = llm.llm_engine
+    host_planned, host_drafted, going_on = [], [], []
+    schedule, plan_ahead, propose = engine.scheduler.schedule, engine.scheduler.schedule_verify_ahead, \
+        engine.handoff.propose
+
+    def recording(plans: list, may_admit: object = None) -> object:
+        out = plan_ahead(plans, may_admit)
+        if out is not None:
+            going_on.extend(r.num_prompt_rows for (*_, hold), r in zip(plans, out.scheduled[:len(plans)], strict=True)
+                            if hold is None)
+        return out
+
+    monkeypatch.setattr(engine.scheduler, "schedule", lambda: host_planned.append(1) or schedule())
+    monkeypatch.setattr(engine.scheduler, "schedule_verify_ahead", recording)
+    monkeypatch.setattr(engine.handoff, "propose", lambda sched, *a, **kw: host_drafted.append(
+        [r.num_new_tokens for r in sched.scheduled]) or propose(sched, *a, **kw))
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == reference
+    assert len(going_on) >= 8 and all(going_on)  # chunks of prompts went on in verifies queued ahead
+    # the first step (three prompts' first chunks: nothing to draft behind) and the one after it, drafted on the host
+    assert len(host_planned) <= 2 and len(host_drafted) <= 1, (host_planned, host_drafted)
     assert_all_free(llm)
 
 

@@ -25,7 +25,8 @@ fla's results then do not depend on how the prompt was cut.
 
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 from truespec.core.gdn_prefill_rule import GdnPrefillRule
 from truespec.core.prefix_planner import PrefixPlanner
@@ -99,16 +100,21 @@ class Scheduler:
             out.state_saves = self.prefix.take_saves()
         return out
 
-    def schedule_verify_ahead(self, plans: list[tuple[Sequence, int, int, int]],
+    def schedule_verify_ahead(self, plans: list[tuple[Sequence, int, int, int | None]],
                               may_admit: Callable[[Sequence, int], bool] | None = None) -> SchedulerOutput | None:
         """The next step of every running request, planned while the current one runs (speculative steps queued
         ahead): per request (seq, first query position as if nothing is accepted now, drafts it verifies, positions
         its blocks must cover). The device moves each request past what it accepts and supplies the token and
-        drafts, so the host lists placeholders. Nothing is preempted: None when the blocks do not fit. Waiting
+        drafts, so the host lists placeholders. A request whose current step is an earlier chunk of its prompt
+        (positions None) goes on with its next chunk, planned from that position as ``schedule`` would, its ids
+        known on the host. Nothing is preempted: None when the blocks or the budget do not fit. Waiting
         requests are admitted after them as ``schedule`` admits them (their prompt tokens known on the host), while
         ``may_admit(seq, num_tokens)`` agrees (None: none is)."""
         kv = self.kv
-        if sum(kv.num_blocks_needed(seq.request_id, hold) for seq, _, _, hold in plans) > kv.num_free_blocks:
+        self._prefill_cap = self._step_prefill_cap()
+        chunks = self._next_chunks(plans)
+        if chunks is None or sum(kv.num_blocks_needed(seq.request_id, chunks.get(seq.request_id, (0, hold))[1])
+                                 for seq, _, _, hold in plans) > kv.num_free_blocks:
             return None
         out = SchedulerOutput()
         for seq, start, num_drafts, hold in plans:
@@ -116,18 +122,38 @@ class Scheduler:
             # the device only, so the step's record goes (``progress`` drops it; without prefix caching there is none)
             if self.prefix.is_enabled:
                 self.prefix.progress(seq, computed=start)
+            if hold is None:  # a prompt going on: its next chunk, planned from ``start``
+                n, hold = chunks[seq.request_id]
+                with _computed_from(seq, start):
+                    out.scheduled.append(self._scheduled_request(seq, n, [], hold))
+                continue
             ids, block_ids = [PLACEHOLDER] * (1 + num_drafts), kv.allocate(seq.request_id, hold)
             out.scheduled.append(ScheduledRequest(
                 seq.request_id, seq.params, start, 1 + num_drafts, ids, ids[1:], None, block_ids,
                 kv.first_state_slot(seq.request_id), 0, len(seq.output_token_ids) + 1, True, seq.prompt_len,
                 gdn_chunked=self._gdn_chunked(seq)))
         if may_admit is not None:
-            self._prefill_cap = self._step_prefill_cap()
             self._admit(self.max_num_batched_tokens - sum(r.num_scheduled_tokens for r in out.scheduled), out,
                         may_admit)
         out.finished_req_ids, self._finished_ids = self._finished_ids, []
         out.state_saves = self.prefix.take_saves()
         return out
+
+    def _next_chunks(self, plans: list[tuple[Sequence, int, int, int | None]]) -> dict[str, tuple[int, int]] | None:
+        """Per prompt going on in a step planned ahead (``hold`` None): the tokens of its next chunk, planned from
+        its ``start`` in the budget the verifies leave as ``schedule`` plans it, and the positions its blocks must
+        cover. None when one cannot run now (the budget, or a chunk with drafts: a re-prefill's last)."""
+        budget = self.max_num_batched_tokens - sum(1 + d for _, _, d, hold in plans if hold is not None)
+        chunks = {}
+        for seq, start, _, hold in plans:
+            if hold is None:
+                with _computed_from(seq, start):
+                    plan = self._plan(seq, budget) if budget > 0 else None
+                    if plan is None or plan[1]:
+                        return None
+                    chunks[seq.request_id] = (plan[0], self._num_tokens_to_hold(seq, *plan))
+                budget -= plan[0]
+        return chunks
 
     def report_finished(self, request_ids: list[str]) -> None:
         """Report these finished requests again with the next step (the step that carried them failed)."""
@@ -185,9 +211,14 @@ class Scheduler:
 
     def _num_tokens_to_hold(self, seq: Sequence, n: int, drafts: list[int]) -> int:
         """Positions the request's blocks must cover after this step: its query, plus the lookahead after a last
-        chunk (``hold_after_last_chunk``)."""
+        chunk (``hold_after_last_chunk``), and after an earlier chunk one more than that: a model drafter drafting
+        behind the step on the device writes its (discarded) drafts for the request from the position after the
+        chunk's first draft row (spec_decode/device_drafts.py), positions the next chunk fills anyway."""
         end = seq.num_computed_tokens + n + len(drafts)
-        return self.hold_after_last_chunk(seq, end) if end == seq.num_tokens + len(drafts) else end
+        if end == seq.num_tokens + len(drafts):
+            return self.hold_after_last_chunk(seq, end)
+        return min(end + self.num_lookahead_tokens + 1, seq.prompt_len + seq.max_output_len) \
+            if self.num_lookahead_tokens else end
 
     def hold_after_last_chunk(self, seq: Sequence, end: int) -> int:
         """Positions the request's blocks must cover after a step whose query (its last chunk) ends at ``end``: the
@@ -270,3 +301,13 @@ class Scheduler:
         seq.finish_reason = reason
         seq.finished_time = time.monotonic()
         self._finished_ids.append(seq.request_id)
+
+
+@contextmanager
+def _computed_from(seq: Sequence, start: int) -> Iterator[None]:
+    """``seq`` seen as having computed ``start`` tokens (a step planned before the host applied the one before it)."""
+    saved, seq.num_computed_tokens = seq.num_computed_tokens, start
+    try:
+        yield
+    finally:
+        seq.num_computed_tokens = saved

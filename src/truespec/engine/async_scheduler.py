@@ -143,20 +143,23 @@ class AsyncScheduler:
 
     # ---- verifies -----------------------------------------------------------------------------------
     def _drafts_on_device(self, sched: SchedulerOutput, is_ahead: bool) -> bool:
-        """Whether the drafter drafts behind this step on the device: every request is greedy without logprobs,
+        """Whether the drafter drafts behind this step on the device: every request is greedy without logprobs and
         computes its last token (a decode or verify; with a model drafter also the last chunk of a prompt: a request
-        joining the batch), and its blocks cover the drafts' positions (a verify planned ahead allocated them for
-        the most it can move; a prompt's blocks end at its longest possible length, which may be closer)."""
+        joining the batch) or, with a model drafter, a chunk of its prompt beside requests that do (the drafter only
+        catches up on it), and its blocks cover the drafts' positions (a verify planned ahead allocated them for
+        the most it can move; a prompt's blocks end at its longest possible length, which may be closer; behind an
+        earlier chunk the drafts of its request start one position further, ``Scheduler._num_tokens_to_hold``)."""
         if self.drafter is None or self.drafter.is_behind([r.request_id for r in sched.scheduled]):
             return False  # a request whose catch-up was deferred catches up on the host (``ModelDrafter.propose``)
         # positions past the query the drafter writes KV at (a model drafter's drafts; ngram none)
         reach = self.drafter.device_reach
         block_size, after_prompts = self.scheduler.kv.block_size, self.drafter.drafts_after_prompts
-        return all(r.is_last_chunk and (r.num_new_tokens == 1 or after_prompts and not r.prompt_logprob_token_ids)
-                   and r.params.is_greedy and r.params.logprobs is None
-                   and r.num_computed_tokens + r.num_scheduled_tokens + (reach if not is_ahead or r.num_prompt_rows
-                                                                         else 0) <= len(r.block_ids) * block_size
-                   for r in sched.scheduled)
+        return any(r.is_last_chunk for r in sched.scheduled) and all(
+            (r.is_last_chunk and r.num_new_tokens == 1 or after_prompts and not r.prompt_logprob_token_ids)
+            and r.params.is_greedy and r.params.logprobs is None
+            and r.num_computed_tokens + r.num_scheduled_tokens + (reach + (not r.is_last_chunk)
+                                                                  if not is_ahead or r.num_prompt_rows else 0)
+            <= len(r.block_ids) * block_size for r in sched.scheduled)
 
     def _launch_verify(self, launched: LaunchedStep) -> bool:
         """Plan (verify_plan.py) and queue the verify after ``launched`` from the drafts queued behind it."""

@@ -15,6 +15,10 @@
   its chunks get everywhere else, core/gdn_prefill_rule.py.)
   One that could join but does not fit (the step's budget, KV blocks) makes the next such step planned on the host,
   which admits it as ``Scheduler.schedule`` does.
+- A request whose prompt ``launched`` computes an earlier chunk of (a joining prompt's chunks end at its state
+  checkpoints, with prefix caching on a hybrid model) goes on with its next chunk, planned as ``Scheduler.schedule``
+  would, not moved, under the same conditions as a request joining (``may_admit``); the drafter only caught up on
+  it behind ``launched`` (spec_decode/device_drafts.py).
 No plan (None) when a request is not in ``launched``, one has structured outputs or min_tokens still due, a waiting
 request may not join, or the blocks do not fit: the next step is then planned on the host.
 """
@@ -87,6 +91,12 @@ def plan_verify(scheduler: Scheduler, seqs: dict[str, Sequence], drafter: Device
     k, plans, limits = dd.num_drafts, [], []  # k drafts, or none; limits: the most each request's plan may move
     scheduled = [launched.sched.scheduled[i] for i in kept]
     for r, seq in zip(scheduled, goers, strict=True):
+        if not r.is_last_chunk:  # its prompt goes on: the next chunk, planned by the scheduler, not moved
+            if admit is None or not admit(seq, 1):
+                return None, False
+            plans.append((seq, seq.num_computed_tokens + r.num_new_tokens, 0, None))
+            limits.append(0)
+            continue
         if seq.params.min_tokens > len(seq.output_token_ids):
             return None, False  # its next rows may need min_tokens bans
         num_drafts_now = len(r.draft_token_ids)
@@ -100,20 +110,31 @@ def plan_verify(scheduler: Scheduler, seqs: dict[str, Sequence], drafter: Device
         last = seq.prompt_len + seq.max_output_len - 1  # it may finish at ``launched``: no drafts, capped here
         plans.append((seq, start, 0, min(start + num_drafts_now + 1, last + 1) + drafter.num_lookahead_tokens))
         limits.append(min(num_drafts_now, last - start))
-    if sum(1 + d for _, _, d, _ in plans) > scheduler.max_num_batched_tokens:
+    if sum(1 + d for _, _, d, hold in plans if hold is not None) > scheduler.max_num_batched_tokens:
         return None, False
     out = scheduler.schedule_verify_ahead(plans, admit if scheduler.waiting else None)
     if out is None:
         return None, False
     device, counts = dd.next_ids.device, {d for _, _, d, _ in plans}
-    if len(counts) == 1 and len(kept) == len(launched.sched.scheduled):  # each: the token, as many drafts
+    # the prompts going on: their chunks' ids after the drafts' in the source the step's ids are gathered from
+    going = {i: r.token_ids for i, (plan, r) in enumerate(zip(plans, out.scheduled, strict=False)) if plan[3] is None}
+    if len(counts) == 1 and not going and len(kept) == len(launched.sched.scheduled):  # each: token, as many drafts
         (drafts,) = counts
         ids, shift = dd.next_ids[:, :1 + drafts].flatten(), dd.num_accepted
     else:
-        index = [i * (1 + k) + j for i, (_, _, d, _) in zip(kept, plans, strict=True) for j in range(1 + d)]
-        ids = dd.next_ids.flatten().index_select(0, to_device_async(index, device))
+        index, base = [], dd.next_ids.numel()
+        for n, (i, (_, _, d, _)) in enumerate(zip(kept, plans, strict=True)):
+            if n in going:
+                index += range(base, base + len(going[n]))
+                base += len(going[n])
+            else:
+                index += range(i * (1 + k), i * (1 + k) + 1 + d)
+        source = dd.next_ids.flatten()
+        if going:
+            source = torch.cat([source, to_device_async([t for ids in going.values() for t in ids], device)])
+        ids = source.index_select(0, to_device_async(index, device))
         shift = dd.num_accepted.index_select(0, to_device_async(kept, device))
-    if any(limit < len(r.draft_token_ids) for limit, r in zip(limits, scheduled, strict=True)):
+    if going or any(limit < len(r.draft_token_ids) for limit, r in zip(limits, scheduled, strict=True)):
         shift = torch.minimum(shift, to_device_async(limits, device))
     admitted = out.scheduled[len(plans):]
     if admitted:

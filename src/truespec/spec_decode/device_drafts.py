@@ -44,7 +44,7 @@ def greedy_accepted(argmax: torch.Tensor, input_ids: torch.Tensor, query_start_l
 
 
 def draft_by_launches(head: torch.nn.Module, graphs: "GraphRunner", step: "LaunchedStep", num_drafts: int,
-                      reads_tokens: bool) -> DeviceDrafts:
+                      reads_tokens: bool, after_chunks: list[int] = ()) -> DeviceDrafts:
     """A greedy step's acceptance, the drafter's catch-up and ``num_drafts`` drafts per request, one launch per forward.
 
     ``step.rows`` / ``positions``: the target step's, as the host built them (``shift``: how far the device moved
@@ -58,7 +58,13 @@ def draft_by_launches(head: torch.nn.Module, graphs: "GraphRunner", step: "Launc
     model (``reads_tokens``) reads each row's own token and also covers the position after the query: fed the
     query's input tokens through its first logits row, then each logits row's argmax (up to the new token, what
     ``propose`` feeds), and its first draft comes from the new token's row. Draft j (j >= 1) is fed at the position
-    after the first draft's + j."""
+    after the first draft's + j.
+
+    A request computing an earlier chunk of its prompt has no logits row: every query row is a prompt row, and its
+    last is fed the prompt token after the chunk (``after_chunks``, one per such request in step order), which the
+    step's ids do not hold. It accepts nothing, and its drafts, predicted from its last catch-up row, are discarded:
+    they write KV at positions of its next chunk (its blocks hold them: ``Scheduler._num_tokens_to_hold``), which
+    that chunk's catch-up overwrites before anything reads them."""
     rows, argmax, inputs, shift = step.rows, step.argmax, step.inputs, step.shift
     num_tokens, num_reqs, device = len(step.positions), len(rows), argmax.device
     query_start_loc = inputs.ctx.query_start_loc[:num_reqs + 1]
@@ -70,26 +76,34 @@ def draft_by_launches(head: torch.nn.Module, graphs: "GraphRunner", step: "Launc
         logits_starts.append(logits_starts[-1] + row.num_logits)
     has_prompts, num_logits = any(prompt_rows), logits_starts[-1]
     max_drafts = max(row.num_logits for row in rows) - 1
+    # an earlier chunk's request (no logits row): the row after its query is not its own; the index of the token
+    # after its chunk in ``fed``'s source
+    chunks = [i for i, row in enumerate(rows) if not row.num_logits]
+    after = {i: num_tokens + num_logits + j for j, i in enumerate(chunks)}
     if has_prompts:  # acceptance over the logits rows only: their input ids gathered
+        # (an earlier chunk's empty run of logits rows reads one row past the others': a row of padding)
         logits_rows = [t for s, p, row in zip(starts, prompt_rows, rows, strict=True)
-                       for t in range(s + p, s + row.query_len)]
-        num_accepted, next_token = greedy_accepted(argmax[:num_logits], inputs.input_ids.index_select(
+                       for t in range(s + p, s + row.query_len)] + [0] * bool(after)
+        logits_argmax = argmax[:num_logits] if not after else torch.cat([argmax[:num_logits], argmax[:1]])
+        num_accepted, next_token = greedy_accepted(logits_argmax, inputs.input_ids.index_select(
             0, to_device_async(logits_rows, device)), to_device_async(logits_starts, device), max_drafts)
     else:  # a decode / verify step: argmax row t is query row t
         num_accepted, next_token = greedy_accepted(argmax[:num_tokens], inputs.input_ids[:num_tokens],
                                                    query_start_loc, max_drafts)
 
     def fed(index: list[int]) -> torch.Tensor:
-        """The catch-up's input ids: ``index`` into [the step's input ids | its argmax]."""
-        return torch.cat([inputs.input_ids[:num_tokens], argmax[:num_logits]]).index_select(
+        """The catch-up's input ids: ``index`` into [the step's input ids | its argmax | the tokens after chunks]."""
+        parts = [inputs.input_ids[:num_tokens], argmax[:num_logits]]
+        return torch.cat(parts + [to_device_async(list(after_chunks), device)] if after else parts).index_select(
             0, to_device_async(index, device))
 
     offset = int(reads_tokens)  # the first draft's row past the last accepted one
     if reads_tokens:  # rows: the query's, then the position after it; ids: the query's through its first logits row
-        index, first_rows = [], []  # the catch-up row of each request's first logits row
+        index, first_rows = [], []  # the catch-up row of each request's first logits row (an earlier chunk: its last)
         for i, (s, p, ls, row) in enumerate(zip(starts, prompt_rows, logits_starts, rows, strict=False)):
-            first_rows.append(s + i + p)
-            index += [*range(s, s + p + 1), *range(num_tokens + ls, num_tokens + ls + row.num_logits)]
+            first_rows.append(s + i + p - (i in after))
+            index += [*range(s, s + p + (i not in after)), *([after[i]] if i in after else []),
+                      *range(num_tokens + ls, num_tokens + ls + row.num_logits)]
         catch_up = [ContextRow(row.block_ids, row.start, row.query_len + 1, -1, -1, 0, 0) for row in rows]
         positions = [p for row in rows for p in range(row.start, row.start + row.query_len + 1)]
         out, _ = graphs.run(catch_up, [0] * len(index), positions, decode_only=not has_prompts,
@@ -98,13 +112,13 @@ def draft_by_launches(head: torch.nn.Module, graphs: "GraphRunner", step: "Launc
     else:  # row t: the next prompt token (a prompt row), else its argmax (every row of a decode / verify step)
         ids = argmax
         if has_prompts:
-            ids = fed([t + 1 if t < s + p else num_tokens + ls + t - s - p
-                       for s, p, ls, row in zip(starts, prompt_rows, logits_starts, rows, strict=False)
+            ids = fed([t + 1 if t < s + p - (i in after) else after[i] if i in after else num_tokens + ls + t - s - p
+                       for i, (s, p, ls, row) in enumerate(zip(starts, prompt_rows, logits_starts, rows, strict=False))
                        for t in range(s, s + row.query_len)])
         out, _ = graphs.run(rows, [0] * num_tokens, step.positions, step.output.hidden_states[:num_tokens],
                             decode_only=not has_prompts, input_ids_from=ids, shift=shift)
         first_logits = query_start_loc[:-1] if not has_prompts else to_device_async(
-            [s + p for s, p in zip(starts, prompt_rows, strict=True)], device)
+            [s + p - (i in after) for i, (s, p) in enumerate(zip(starts, prompt_rows, strict=True))], device)
     hidden = out[first_logits + num_accepted + offset]  # [R, H]: the row the first draft is predicted from
     moved = num_accepted if shift is None else shift + num_accepted
     drafts: list[torch.Tensor] = []

@@ -160,8 +160,8 @@ class ModelDrafter:
     @torch.inference_mode()
     def draft_on_device(self, step: LaunchedStep, num_drafts: int, seqs: dict[str, object]) -> DeviceDrafts:
         """Queue a greedy step's acceptance, catch-up and ``num_drafts`` (k or 0) drafts per request on the
-        device, nothing read back (``seqs``: unused; ngram_on_device.py reads them): one launch per forward
-        (``draft_by_launches``, which says what each forward computes; a step with last prompt chunks too), or, where
+        device, nothing read back (``seqs``: for the prompt token after an earlier chunk of a prompt): one launch per
+        forward (``draft_by_launches``, which says what each forward computes; a step with prompt chunks too), or, where
         every request is a decode / verify and a graph is captured, one replay (``DraftChain``). The same tokens as
         ``propose`` (tests/test_async_spec.py). 0 drafts (the next steps draft nothing): only the acceptance and the
         catch-up, which keeps the drafter's cache whole for when drafting resumes."""
@@ -173,7 +173,10 @@ class ModelDrafter:
             hidden = step.output.hidden_states if self.uses_target_hidden else None
             return self.chain.run(step.argmax, inputs.input_ids, hidden, inputs.positions,
                                   ctx.query_start_loc[:num_reqs + 1], ctx.block_tables, num_tokens)
-        return draft_by_launches(self.head, self.graphs, step, num_drafts, reads_tokens=not self.uses_target_hidden)
+        after_chunks = [seqs[r.request_id].token_slice(end, end + 1)[0] for r in step.sched.scheduled
+                        if not r.is_last_chunk for end in (r.num_computed_tokens + r.num_new_tokens,)]
+        return draft_by_launches(self.head, self.graphs, step, num_drafts, reads_tokens=not self.uses_target_hidden,
+                                 after_chunks=after_chunks)
 
     # ---- catch-up ------------------------------------------------------------------------------------
     def _catch_up_job(self, r: DraftRequest, output: ModelRunnerOutput, behind: Behind | None = None) -> _Job | None:
