@@ -3,6 +3,7 @@ before the previous step's accepted counts are read, its positions moved on the 
 gives the tokens of the run without speculation (float64), with stops, min_tokens, max_tokens, aborts, failures
 and preemption inside an accepted run, and leaks nothing."""
 
+import contextlib
 import json
 import random
 from pathlib import Path
@@ -463,6 +464,78 @@ def test_prompts_in_several_chunks_join_verifies_queued_ahead(method: str, monke
     # the first step (three prompts' first chunks: nothing to draft behind) and the one after it, drafted on the host
     assert len(host_planned) <= 2 and len(host_drafted) <= 1, (host_planned, host_drafted)
     assert_all_free(llm)
+
+
+@pytest.mark.parametrize("method, max_tokens", [("mtp", 34), ("draft_model", 30)])
+def test_a_preempted_request_re_prefills_in_steps_planned_on_the_host(method: str, max_tokens: int,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A request preempted one token before max_tokens (no drafts then) re-prefills prompt and output in chunks: its
+    chunks past the prompt hold blocks only up to its longest length, so they go on in steps planned on the host,
+    never in a verify queued ahead (whose drafts behind it would write past its blocks); nothing leaks."""
+    px, py = random_prompts([64 - max_tokens, 20], seed=5)
+    llm = spec_engine(method, True, max_model_len=256, max_num_seqs=2, max_num_batched_tokens=64,
+                      prefix_state_interval=16)
+    engine = llm.llm_engine
+    params = [SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=120, ignore_eos=True)]
+    base = LLM(str(DEFAULT_MODEL_DIR), dtype="float64", device="cpu", max_model_len=256)
+    reference = [o.outputs[0].token_ids for o in base.generate([px, py], params, use_tqdm=False)]
+    ids = [engine.add_request(px, params[0]), engine.add_request(py, params[1])]
+    x, outputs = engine.seqs[ids[0]], {}
+    launch_verify, schedule = engine.overlap._launch_verify, engine.scheduler.schedule
+    done = []
+    monkeypatch.setattr(engine.overlap, "_launch_verify",
+                        lambda launched: False if not done and len(x.output_token_ids) >= max_tokens - 8 else
+                        launch_verify(launched))
+
+    def preempting() -> object:
+        if not done and len(x.output_token_ids) == max_tokens - 1 and x in engine.scheduler.running:
+            engine.scheduler.preempt(x)
+            done.append(1)
+        return schedule()
+
+    monkeypatch.setattr(engine.scheduler, "schedule", preempting)
+    while engine.has_unfinished_requests():
+        outputs.update((o.request_id, o.outputs[0].token_ids) for o in engine.step() if o.finished)
+    assert done and [outputs[i] for i in ids] == reference
+    assert_all_free(llm)
+
+
+def test_a_failed_launch_of_a_verify_queued_ahead_forgets_its_checkpoint_saves() -> None:
+    """A verify queued ahead carries the save of the checkpoint at the end of the prompt chunk before it (a prompt
+    going on, with prefix caching); when its launch fails, that save never ran, so the checkpoint is forgotten: the
+    restarted request and a later one with the same prompt give the tokens of the run without speculation."""
+    py, px = random_prompts([20, 80], seed=4)
+    params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    base = LLM(str(DEFAULT_MODEL_DIR), dtype="float64", device="cpu", max_model_len=256)
+    reference = [o.outputs[0].token_ids for o in base.generate([py, px, px], params, use_tqdm=False)]
+    llm = spec_engine("mtp", True, max_model_len=256, max_num_seqs=3, max_num_batched_tokens=64,
+                      prefix_state_interval=16)
+    engine, failed, outputs = llm.llm_engine, [], {}
+    real = engine.runner.launch
+
+    def launch(sched: object, input_ids_from: object = None, shift: object = None) -> object:
+        if not failed and shift is not None and sched.state_saves:
+            failed.append(sched.state_saves)
+            raise RuntimeError("injected")
+        return real(sched, input_ids_from, shift)
+
+    engine.runner.launch = launch
+    ids = [engine.add_request(py, params)]
+    engine.step()
+    engine.step()
+    ids.append(engine.add_request(px, params))
+
+    def drain() -> None:
+        while engine.has_unfinished_requests():
+            with contextlib.suppress(RuntimeError):  # the injected failure
+                outputs.update((o.request_id, o.outputs[0].token_ids) for o in engine.step() if o.finished)
+
+    drain()
+    ids.append(engine.add_request(px, params))
+    drain()
+    assert failed
+    assert [outputs[i] for i in ids] == reference
 
 
 def test_long_prompts_under_a_gdn_rule_join_only_steps_planned_on_the_host(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -23,7 +23,9 @@ that end at state checkpoints, and the state copies a step carries.
 
 Saves, then restores, run on the device at the start of the next step that runs, before its forward (outside any
 CUDA graph: ``SchedulerOutput.state_saves`` / ``state_restores``), so nothing overwrites a slot before it is copied.
-A step whose progress the host never sees (a verify queued ahead, engine/async_scheduler.py) saves nothing.
+A verify queued ahead (engine/async_scheduler.py) keeps no record of its verifies, whose progress the host
+never sees, so their positions save nothing; its prompt chunks (of requests joining, or going on) are recorded
+as in any step, and the saves they pass ride the step planned after them.
 """
 
 import math

@@ -8,7 +8,8 @@ preempted: its blocks and state group are freed and it restarts its prefill (pro
 its output is unchanged.
 
 The scheduler allocates every block a step writes: the query positions, and on a request's last chunk
-``num_lookahead_tokens`` more for the drafts a model drafter writes after the step (vLLM's lookahead slots).
+``num_lookahead_tokens`` more for the drafts a model drafter writes after the step (vLLM's lookahead slots), on an
+earlier chunk one more (drafted behind on the device, ``_num_tokens_to_hold``).
 With prefix caching a request is admitted after its longest cached prefix, and its progress is cached before each
 step (core/prefix_planner.py).
 
@@ -111,7 +112,8 @@ class Scheduler:
         requests are admitted after them as ``schedule`` admits them (their prompt tokens known on the host), while
         ``may_admit(seq, num_tokens)`` agrees (None: none is)."""
         kv = self.kv
-        self._prefill_cap = self._step_prefill_cap()
+        # the plan's verifies decode (a request whose last chunk runs now among them, not yet applied to it)
+        self._prefill_cap = self._step_prefill_cap(is_decoding=any(hold is not None for *_, hold in plans))
         chunks = self._next_chunks(plans)
         if chunks is None or sum(kv.num_blocks_needed(seq.request_id, chunks.get(seq.request_id, (0, hold))[1])
                                  for seq, _, _, hold in plans) > kv.num_free_blocks:
@@ -199,9 +201,11 @@ class Scheduler:
         threshold = self.long_prefill_token_threshold
         return AUTO_LONG_PREFILL_TOKENS if threshold is None else threshold or None
 
-    def _step_prefill_cap(self) -> int | None:
-        """The most prompt tokens one request computes this step (module docstring); None: the budget's."""
-        is_decoding = any(seq.num_uncomputed_tokens <= 1 for seq in self.running)
+    def _step_prefill_cap(self, is_decoding: bool | None = None) -> int | None:
+        """The most prompt tokens one request computes this step (module docstring); None: the budget's.
+        ``is_decoding``: whether a request decodes in it (None: one of the running ones is due to)."""
+        if is_decoding is None:
+            is_decoding = any(seq.num_uncomputed_tokens <= 1 for seq in self.running)
         return None if self.long_prefill_token_threshold is None and not is_decoding else self.mixed_prefill_cap
 
     def max_drafts(self, seq: Sequence) -> int:
@@ -211,9 +215,10 @@ class Scheduler:
 
     def _num_tokens_to_hold(self, seq: Sequence, n: int, drafts: list[int]) -> int:
         """Positions the request's blocks must cover after this step: its query, plus the lookahead after a last
-        chunk (``hold_after_last_chunk``), and after an earlier chunk one more than that: a model drafter drafting
-        behind the step on the device writes its (discarded) drafts for the request from the position after the
-        chunk's first draft row (spec_decode/device_drafts.py), positions the next chunk fills anyway."""
+        chunk (``hold_after_last_chunk``), and after an earlier chunk one more than that (never past its longest
+        length): a model drafter drafting behind the step on the device writes the request's discarded drafts up to
+        ``device_reach`` + 1 positions past the chunk (spec_decode/device_drafts.py: a draft model's ``k + 1``, a
+        head's ``k``), positions of its next chunk or of its lookahead after its last, which it holds then anyway."""
         end = seq.num_computed_tokens + n + len(drafts)
         if end == seq.num_tokens + len(drafts):
             return self.hold_after_last_chunk(seq, end)

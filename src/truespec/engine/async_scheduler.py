@@ -11,7 +11,7 @@ other), and, for decodes, no waiting request could be admitted (its prompt goes 
   drafter defers its catch-up until then (``ModelDrafter.propose``), so such steps cost what steps without
   speculation cost.
 - **Verifies** (a proposer that drafts on the device: MTP, EAGLE, a draft model; ngram with ``draft_on_device``):
-  behind every greedy decode / verify step (a model drafter: also behind a request's last prompt chunk)
+  behind every greedy decode / verify step (a model drafter: also behind a request's prompt chunks)
   the proposer queues the step's accepted counts and each request's next token and k drafts on the device
   (``ModelDrafter.draft_on_device``, ``NgramProposer.draft_on_device``; while the next steps may not draft, nothing:
   the queued step after a verify then goes on as a plain decode). Step N+1
@@ -20,8 +20,8 @@ other), and, for decodes, no waiting request could be admitted (its prompt goes 
   feeds the next token and drafts. The host learns N+1's drafts
   with its tokens, in the step's one read. The host work of N+1 and N+2 thus overlaps N's and N+1's forwards.
   A request that finished before N is left out of N+1, one that may reach max_tokens at N stays in it, and with a
-  model drafter waiting requests join it (engine/verify_plan.py): neither a finish nor a join waits for a step
-  planned on the host.
+  model drafter waiting requests join it and a prompt whose earlier chunk N computes goes on in it
+  (engine/verify_plan.py): neither a finish nor a join waits for a step planned on the host.
 A request that stops at N has its queued work discarded: the KV and state it wrote went to blocks and slots it
 held, and anything that reuses them later is queued after it on the same stream. Each request's rows are
 computed as without the overlap (docs/ARCHITECTURE.md, invariant 1), so outputs are unchanged
@@ -157,8 +157,8 @@ class AsyncScheduler:
         return any(r.is_last_chunk for r in sched.scheduled) and all(
             (r.is_last_chunk and r.num_new_tokens == 1 or after_prompts and not r.prompt_logprob_token_ids)
             and r.params.is_greedy and r.params.logprobs is None
-            and r.num_computed_tokens + r.num_scheduled_tokens + (reach + (not r.is_last_chunk)
-                                                                  if not is_ahead or r.num_prompt_rows else 0)
+            and r.num_computed_tokens + r.num_scheduled_tokens + (
+                reach + 1 if not r.is_last_chunk else reach if not is_ahead or r.num_prompt_rows else 0)
             <= len(r.block_ids) * block_size for r in sched.scheduled)
 
     def _launch_verify(self, launched: LaunchedStep) -> bool:
@@ -172,6 +172,9 @@ class AsyncScheduler:
         except BaseException:  # the engine restarts ``launched``'s requests; the ones admitted here wait again
             for r in plan.admitted:
                 self.scheduler.preempt(self.seqs[r.request_id])
+            # the plan's checkpoint saves never ran; the finished requests it took are reported with the next step
+            self.scheduler.prefix.discard_saves(plan.sched.state_saves)
+            self.scheduler.report_finished(plan.sched.finished_req_ids)
             raise
         self.num_admitted_ahead += len(plan.admitted)
         self.num_async_steps += 1

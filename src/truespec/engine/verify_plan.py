@@ -17,8 +17,9 @@
   which admits it as ``Scheduler.schedule`` does.
 - A request whose prompt ``launched`` computes an earlier chunk of (a joining prompt's chunks end at its state
   checkpoints, with prefix caching on a hybrid model) goes on with its next chunk, planned as ``Scheduler.schedule``
-  would, not moved, under the same conditions as a request joining (``may_admit``); the drafter only caught up on
-  it behind ``launched`` (spec_decode/device_drafts.py).
+  would, not moved, under the same conditions as a request joining (``may_admit``), if it has no output yet (a
+  re-prefill after preemption goes on in a step planned on the host: its chunks past the prompt hold blocks only up
+  to its longest length); the drafter only caught up on it behind ``launched`` (spec_decode/device_drafts.py).
 No plan (None) when a request is not in ``launched``, one has structured outputs or min_tokens still due, a waiting
 request may not join, or the blocks do not fit: the next step is then planned on the host.
 """
@@ -64,9 +65,9 @@ def going_on(launched: LaunchedStep, seqs: dict[str, Sequence],
 def may_admit(seq: Sequence, num_tokens: int, gdn_rule: GdnPrefillRule | None = None) -> bool:
     """Whether a waiting request may join a verify queued ahead with ``num_tokens`` of its prompt: greedy without
     logprobs or structured outputs, no drafts (a re-prefill's), and not long under ``gdn_rule`` (its chunks run fla,
-    which a moved step cannot: module docstring). When the chunk is its prompt's last (the rest after a cached
-    prefix), the drafter drafts behind the step on the device too (``_drafts_on_device``) and the step after it is
-    queued ahead again; after an earlier chunk the proposer drafts on the host."""
+    which a moved step cannot: module docstring). The drafter drafts behind the step on the device too
+    (``_drafts_on_device``) and the step after it is queued ahead again, with the prompt's next chunk if this one
+    was not its last."""
     p = seq.params
     return (num_tokens > 0 and not seq.draft_token_ids and p.is_greedy and p.logprobs is None
             and p.prompt_logprobs is None and p.structured_outputs is None
@@ -92,7 +93,7 @@ def plan_verify(scheduler: Scheduler, seqs: dict[str, Sequence], drafter: Device
     scheduled = [launched.sched.scheduled[i] for i in kept]
     for r, seq in zip(scheduled, goers, strict=True):
         if not r.is_last_chunk:  # its prompt goes on: the next chunk, planned by the scheduler, not moved
-            if admit is None or not admit(seq, 1):
+            if admit is None or seq.output_token_ids or not admit(seq, 1):  # a fresh prompt's (not a re-prefill's)
                 return None, False
             plans.append((seq, seq.num_computed_tokens + r.num_new_tokens, 0, None))
             limits.append(0)

@@ -63,8 +63,9 @@ def draft_by_launches(head: torch.nn.Module, graphs: "GraphRunner", step: "Launc
     A request computing an earlier chunk of its prompt has no logits row: every query row is a prompt row, and its
     last is fed the prompt token after the chunk (``after_chunks``, one per such request in step order), which the
     step's ids do not hold. It accepts nothing, and its drafts, predicted from its last catch-up row, are discarded:
-    they write KV at positions of its next chunk (its blocks hold them: ``Scheduler._num_tokens_to_hold``), which
-    that chunk's catch-up overwrites before anything reads them."""
+    they write KV up to ``k - 1`` (a head) or ``k`` (a draft model) positions past the chunk, which its blocks hold
+    (``Scheduler._num_tokens_to_hold``) and which the catch-ups of its next chunks overwrite before anything reads
+    them, as they do a last chunk's rejected drafts."""
     rows, argmax, inputs, shift = step.rows, step.argmax, step.inputs, step.shift
     num_tokens, num_reqs, device = len(step.positions), len(rows), argmax.device
     query_start_loc = inputs.ctx.query_start_loc[:num_reqs + 1]
