@@ -148,7 +148,7 @@ def make_capped(threshold: int | None, budget: int = 5000) -> Scheduler:
 
 def test_a_long_prompt_alone_takes_the_whole_budget_but_is_capped_beside_decodes() -> None:
     """Default (None): the cap (AUTO_LONG_PREFILL_TOKENS) applies only while a running request decodes."""
-    from truespec.core.scheduler import AUTO_LONG_PREFILL_TOKENS
+    from truespec.core.chunk_planner import AUTO_LONG_PREFILL_TOKENS
 
     sched = make_capped(None)
     sched.add(seq("alone", 6000))

@@ -1,27 +1,15 @@
 """Continuous batching with chunked prefill and preemption by recompute (pure Python, no torch).
 
-Each step gets a token budget (``max_num_batched_tokens``). Running requests go first, in arrival order: a
-decoding request takes 1 token plus the drafts it verifies, a request still prefilling takes the next chunk of
-its prompt. Then waiting requests are admitted while the budget, ``max_num_seqs``, KV blocks and state groups
-allow. When a running request cannot get the KV blocks it needs, the most recently admitted running request is
-preempted: its blocks and state group are freed and it restarts its prefill (prompt + output so far) later, so
-its output is unchanged.
+Each step gets a token budget (``max_num_batched_tokens``). Running requests go first, in arrival order, each
+computing what core/chunk_planner.py gives it (a decode and its drafts, or the next chunk of a prompt, within the
+budget and the step's prefill cap), with the KV blocks it must hold. Then waiting requests are admitted while the
+budget, ``max_num_seqs``, KV blocks and state groups allow. When a running request cannot get the KV blocks it
+needs, the most recently admitted running request is preempted: its blocks and state group are freed and it
+restarts its prefill (prompt + output so far) later, so its output is unchanged.
 
-The scheduler allocates every block a step writes: the query positions, and on a request's last chunk
-``num_lookahead_tokens`` more for the drafts a model drafter writes after the step (vLLM's lookahead slots), on an
-earlier chunk one more (drafted behind on the device, ``_num_tokens_to_hold``).
 With prefix caching a request is admitted after its longest cached prefix, and its progress is cached before each
-step (core/prefix_planner.py).
-
-A long prompt joining running requests would stall their decodes for a whole step of ``max_num_batched_tokens``
-prompt tokens (on an H100, 8,192-token chunks of a 32K prompt held 8 decoding requests' next tokens for 180-963 ms).
-``long_prefill_token_threshold`` (vLLM's setting) caps the prompt tokens one request computes in a step: a positive
-value always; 0 never; None (the default) caps at ``AUTO_LONG_PREFILL_TOKENS`` only while some running request is
-decoding, so a prompt alone still gets the whole budget.
-
-With a ``GdnPrefillRule`` (core/gdn_prefill_rule.py: fla runs the GDN prefill of long prompts), a long request's
-chunks that end inside its prompt end at multiples of the rule's alignment, and no chunk crosses its prompt's end:
-fla's results then do not depend on how the prompt was cut.
+step (core/prefix_planner.py). With async scheduling the next step may be planned before the current one is read
+(``schedule_verify_ahead``, engine/verify_plan.py).
 """
 
 import time
@@ -29,15 +17,12 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
+from truespec.core.chunk_planner import ChunkPlanner
 from truespec.core.gdn_prefill_rule import GdnPrefillRule
 from truespec.core.prefix_planner import PrefixPlanner
 from truespec.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from truespec.core.sequence import PLACEHOLDER, Sequence, SequenceStatus, token_slice
 from truespec.kv_cache.manager import KVCacheManager
-
-# ~22 ms of prefill per step on an H100 for the Qwen3.5-0.8B shape (~11 us a prompt token at 8K, BENCHMARKS.md
-# "Session 11"); a multiple of 64, so chunks it cuts start where fla's 64-token chunks do
-AUTO_LONG_PREFILL_TOKENS = 2048
 
 
 class Scheduler:
@@ -47,15 +32,14 @@ class Scheduler:
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.num_lookahead_tokens = num_lookahead_tokens
-        self.long_prefill_token_threshold = long_prefill_token_threshold
-        self._prefill_cap: int | None = None  # this step's cap on a request's prompt tokens (None: none)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0  # total since start, for tests and metrics
         self._finished_ids: list[str] = []  # reported in the next SchedulerOutput
         self.gdn_rule = gdn_rule
         self.prefix = PrefixPlanner(kv, gdn_rule)
+        self.chunks = ChunkPlanner(self.prefix, max_num_batched_tokens, num_lookahead_tokens,
+                                   long_prefill_token_threshold, gdn_rule)
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -74,17 +58,17 @@ class Scheduler:
             for seq in self.running:
                 self.prefix.progress(seq)
         budget = self.max_num_batched_tokens
-        self._prefill_cap = self._step_prefill_cap()
+        self.chunks.start_step(is_decoding=any(seq.num_uncomputed_tokens <= 1 for seq in self.running))
         i, skipped = 0, []
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            plan = self._plan(seq, budget)
+            plan = self.chunks.plan(seq, budget)
             if plan is None:  # a verify that does not fit this step waits whole (its drafts are never cut)
                 skipped.append(seq)
                 i += 1
                 continue
             n, drafts = plan
-            num_tokens = self._num_tokens_to_hold(seq, n, drafts)
+            num_tokens = self.chunks.tokens_to_hold(seq, n, drafts)
             if not self._make_room(seq, num_tokens, out):
                 continue  # seq itself was preempted (it was the last running one)
             out.scheduled.append(self._scheduled_request(seq, n, drafts, num_tokens))
@@ -113,9 +97,9 @@ class Scheduler:
         ``may_admit(seq, num_tokens)`` agrees (None: none is)."""
         kv = self.kv
         # the plan's verifies decode (a request whose last chunk runs now among them, not yet applied to it)
-        self._prefill_cap = self._step_prefill_cap(is_decoding=any(hold is not None for *_, hold in plans))
-        chunks = self._next_chunks(plans)
-        if chunks is None or sum(kv.num_blocks_needed(seq.request_id, chunks.get(seq.request_id, (0, hold))[1])
+        self.chunks.start_step(is_decoding=any(hold is not None for *_, hold in plans))
+        going_on = self._next_chunks(plans)
+        if going_on is None or sum(kv.num_blocks_needed(seq.request_id, going_on.get(seq.request_id, (0, hold))[1])
                                  for seq, _, _, hold in plans) > kv.num_free_blocks:
             return None
         out = SchedulerOutput()
@@ -125,7 +109,7 @@ class Scheduler:
             if self.prefix.is_enabled:
                 self.prefix.progress(seq, computed=start)
             if hold is None:  # a prompt going on: its next chunk, planned from ``start``
-                n, hold = chunks[seq.request_id]
+                n, hold = going_on[seq.request_id]
                 with _computed_from(seq, start):
                     out.scheduled.append(self._scheduled_request(seq, n, [], hold))
                 continue
@@ -150,87 +134,16 @@ class Scheduler:
         for seq, start, _, hold in plans:
             if hold is None:
                 with _computed_from(seq, start):
-                    plan = self._plan(seq, budget) if budget > 0 else None
+                    plan = self.chunks.plan(seq, budget) if budget > 0 else None
                     if plan is None or plan[1]:
                         return None
-                    chunks[seq.request_id] = (plan[0], self._num_tokens_to_hold(seq, *plan))
+                    chunks[seq.request_id] = (plan[0], self.chunks.tokens_to_hold(seq, *plan))
                 budget -= plan[0]
         return chunks
 
     def report_finished(self, request_ids: list[str]) -> None:
         """Report these finished requests again with the next step (the step that carried them failed)."""
         self._finished_ids += request_ids
-
-    def _plan(self, seq: Sequence, budget: int) -> tuple[int, list[int]] | None:
-        """(tokens of ``seq`` to compute, drafts to verify after them) within ``budget``; None: wait.
-
-        Drafts ride on a request's last chunk (a decode, or the end of a re-prefill after preemption) and
-        are cut only by limits of the request itself, never by the rest of the batch: so a request verifies
-        the same drafts alone or in any batch, and its seeded random draws stay batch invariant. On a hybrid model
-        with prefix caching a chunk ends at the next state checkpoint position at the latest. A long request under
-        a ``GdnPrefillRule`` cuts its chunk by the rule (module docstring); a cut chunk's drafts wait."""
-        if seq.num_tokens - seq.num_computed_tokens == 1:  # a decode / verify (the fast path of every step)
-            drafts = seq.draft_token_ids[:self.max_drafts(seq)] if seq.draft_token_ids else []
-            return (1, drafts) if 1 + len(drafts) <= budget else None  # no chunk limit, no GDN rule cut applies
-        is_long = self.gdn_rule is not None and self.gdn_rule.is_long(seq.prompt_len)
-        plan = self._plan_tokens(seq, budget, is_long)
-        if plan is None or not is_long:
-            return plan
-        n, drafts = plan
-        cut = self.gdn_rule.chunk_len(seq.num_computed_tokens, n, seq.prompt_len)
-        if cut <= 0:
-            return None
-        return (n, drafts) if cut == n else (cut, [])
-
-    def _plan_tokens(self, seq: Sequence, budget: int, is_long: bool) -> tuple[int, list[int]] | None:
-        remaining = seq.num_uncomputed_tokens
-        drafts = seq.draft_token_ids[:self.max_drafts(seq)]
-        limit = self.prefix.chunk_limit(seq) if remaining > 1 else None
-        if self._prefill_cap is not None and remaining > 1:
-            cap = self.gdn_rule.prefill_cap(self._prefill_cap) if is_long else self._prefill_cap
-            limit = min(limit or cap, cap)
-        if remaining + len(drafts) <= budget and (limit is None or remaining <= limit):
-            return remaining, drafts
-        if remaining > 1:
-            return min(remaining - 1, budget, limit or budget), []  # a prefill chunk; the drafts wait for the last
-        return None
-
-    @property
-    def mixed_prefill_cap(self) -> int | None:
-        """The most prompt tokens a request computes in a step beside decodes (None: the budget's)."""
-        threshold = self.long_prefill_token_threshold
-        return AUTO_LONG_PREFILL_TOKENS if threshold is None else threshold or None
-
-    def _step_prefill_cap(self, is_decoding: bool | None = None) -> int | None:
-        """The most prompt tokens one request computes this step (module docstring); None: the budget's.
-        ``is_decoding``: whether a request decodes in it (None: one of the running ones is due to)."""
-        if is_decoding is None:
-            is_decoding = any(seq.num_uncomputed_tokens <= 1 for seq in self.running)
-        return None if self.long_prefill_token_threshold is None and not is_decoding else self.mixed_prefill_cap
-
-    def max_drafts(self, seq: Sequence) -> int:
-        """Drafts a request may verify in one step: what fits a step's budget beside its input token, and
-        what it may still emit. Depends on the request alone (proposers draft no more than this)."""
-        return max(0, min(self.max_num_batched_tokens - 1, seq.max_output_len - len(seq.output_token_ids) - 1))
-
-    def _num_tokens_to_hold(self, seq: Sequence, n: int, drafts: list[int]) -> int:
-        """Positions the request's blocks must cover after this step: its query, plus the lookahead after a last
-        chunk (``hold_after_last_chunk``), and after an earlier chunk one more than that (never past its longest
-        length): a model drafter drafting behind the step on the device writes the request's discarded drafts up to
-        ``device_reach`` + 1 positions past the chunk (spec_decode/device_drafts.py: a draft model's ``k + 1``, a
-        head's ``k``), positions of its next chunk or of its lookahead after its last, which it holds then anyway."""
-        end = seq.num_computed_tokens + n + len(drafts)
-        if end == seq.num_tokens + len(drafts):
-            return self.hold_after_last_chunk(seq, end)
-        return min(end + self.num_lookahead_tokens + 1, seq.prompt_len + seq.max_output_len) \
-            if self.num_lookahead_tokens else end
-
-    def hold_after_last_chunk(self, seq: Sequence, end: int) -> int:
-        """Positions the request's blocks must cover after a step whose query (its last chunk) ends at ``end``: the
-        query plus the lookahead a model drafter writes after it, never past the request's longest possible length."""
-        if not self.num_lookahead_tokens:
-            return end
-        return min(end + self.num_lookahead_tokens, seq.prompt_len + seq.max_output_len)
 
     def _scheduled_request(self, seq: Sequence, n: int, drafts: list[int], num_tokens: int) -> ScheduledRequest:
         """Allocate the blocks for ``num_tokens`` positions and describe the step's work for the runner."""
@@ -264,8 +177,8 @@ class Scheduler:
             seq = self.waiting[0]
             hit = self.prefix.find(seq)
             seq.num_computed_tokens = hit.num_tokens  # planned from there (back to 0 if it is not admitted)
-            plan = self._plan(seq, budget)
-            num_tokens = self._num_tokens_to_hold(seq, *plan) if plan is not None else 0
+            plan = self.chunks.plan(seq, budget)
+            num_tokens = self.chunks.tokens_to_hold(seq, *plan) if plan is not None else 0
             if plan is None or not (self.kv.can_allocate_state() and
                                     self.kv.can_allocate(seq.request_id, num_tokens, hit)) or \
                     may_admit is not None and not may_admit(seq, plan[0]):

@@ -126,7 +126,7 @@ class AsyncScheduler:
             if (not r.is_last_chunk or r.draft_token_ids or not p.is_greedy or p.logprobs is not None
                     or r.prompt_logprob_token_ids or len(seq.output_token_ids) + 2 > seq.max_output_len):
                 return None
-            end = sched.hold_after_last_chunk(seq, seq.num_computed_tokens + r.num_new_tokens + 1)  # as planned
+            end = sched.chunks.hold_after_last_chunk(seq, seq.num_computed_tokens + r.num_new_tokens + 1)  # as planned
             blocks += sched.kv.num_blocks_needed(seq.request_id, end)
         return seqs if blocks <= sched.kv.num_free_blocks else None
 
@@ -148,7 +148,7 @@ class AsyncScheduler:
         joining the batch) or, with a model drafter, a chunk of its prompt beside requests that do (the drafter only
         catches up on it), and its blocks cover the drafts' positions (a verify planned ahead allocated them for
         the most it can move; a prompt's blocks end at its longest possible length, which may be closer; behind an
-        earlier chunk the drafts of its request start one position further, ``Scheduler._num_tokens_to_hold``)."""
+        earlier chunk the drafts of its request start one position further, ``ChunkPlanner.tokens_to_hold``)."""
         if self.drafter is None or self.drafter.is_behind([r.request_id for r in sched.scheduled]):
             return False  # a request whose catch-up was deferred catches up on the host (``ModelDrafter.propose``)
         # positions past the query the drafter writes KV at (a model drafter's drafts; ngram none)

@@ -56,7 +56,7 @@ class DraftHandoff:
             requests.append(DraftRequest(
                 r.request_id, r.params, seq.prompt_token_ids, seq.output_token_ids, start,
                 seq.num_computed_tokens, i, r.block_ids, r.first_state_slot, num_drafts > 0,
-                num_drafts and min(num_drafts, self.scheduler.max_drafts(seq)),  # max_drafts is never negative
+                num_drafts and min(num_drafts, self.scheduler.chunks.max_drafts(seq)),  # max_drafts is never negative
                 not is_on[r.params.is_greedy]))
         drafts = self.proposer.propose(requests, output, sched.finished_req_ids)
         for request_id, d in drafts.items():
@@ -75,7 +75,7 @@ class DraftHandoff:
             seq = self.seqs.get(r.request_id)
             if seq is None or seq.is_finished or not output.sampled_token_ids[i]:
                 continue
-            num_drafts = min(self.num_drafts(r.request_id, True), self.scheduler.max_drafts(seq))  # greedy steps
+            num_drafts = min(self.num_drafts(r.request_id, True), self.scheduler.chunks.max_drafts(seq))  # greedy steps
             seq.draft_token_ids, seq.draft_probs = next_ids[i][1:1 + num_drafts], None
 
     def forget_finished(self) -> None:

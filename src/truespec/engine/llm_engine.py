@@ -106,7 +106,7 @@ class LLMEngine:
                                    gdn_chunked=self.gdn_rule is not None)
         if self.gdn_rule is not None:  # steps with fla's chunk kernel: graphs between its calls
             self.runner.graphs.capture_piecewise(min(config.max_num_batched_tokens, num_blocks * cache.block_size), n,
-                                                 self.scheduler.mixed_prefill_cap)
+                                                 self.scheduler.chunks.mixed_prefill_cap)
         if isinstance(proposer, ModelDrafter):
             proposer.graphs.warm_up(config.max_num_batched_tokens, num_blocks)
         self.spec_metrics = SpecDecodeMetrics(k)

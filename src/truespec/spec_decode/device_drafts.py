@@ -64,7 +64,7 @@ def draft_by_launches(head: torch.nn.Module, graphs: "GraphRunner", step: "Launc
     last is fed the prompt token after the chunk (``after_chunks``, one per such request in step order), which the
     step's ids do not hold. It accepts nothing, and its drafts, predicted from its last catch-up row, are discarded:
     they write KV up to ``k - 1`` (a head) or ``k`` (a draft model) positions past the chunk, which its blocks hold
-    (``Scheduler._num_tokens_to_hold``) and which the catch-ups of its next chunks overwrite before anything reads
+    (``ChunkPlanner.tokens_to_hold``) and which the catch-ups of its next chunks overwrite before anything reads
     them, as they do a last chunk's rejected drafts."""
     rows, argmax, inputs, shift = step.rows, step.argmax, step.inputs, step.shift
     num_tokens, num_reqs, device = len(step.positions), len(rows), argmax.device

@@ -48,7 +48,7 @@ MIXED_ROWS = 256  # the rows a mixed step's bucket leaves beside its prompt chun
 
 def bucket_sizes(max_num_tokens: int, prompt_cap: int | None = None) -> list[int]:
     """SMALL_BUCKETS, multiples of BUCKET_TOKENS, and ``max_num_tokens`` itself, up to ``max_num_tokens``; with
-    ``prompt_cap`` (the most prompt tokens a request computes in a step beside decodes, Scheduler.mixed_prefill_cap)
+    ``prompt_cap`` (the most prompt tokens a request computes in a step beside decodes, ChunkPlanner.mixed_prefill_cap)
     also ``prompt_cap + MIXED_ROWS``: such a step (a 2,048-token chunk and 8 decodes) would otherwise pad to the next
     multiple of 1,024 (3,072 rows for 2,056)."""
     mixed = () if prompt_cap is None else (prompt_cap + MIXED_ROWS,)
