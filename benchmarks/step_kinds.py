@@ -4,16 +4,17 @@ others finish), every ``LLMEngine.step`` timed and sorted by what it launched: a
 request joining), or only decodes / verifies.
 
     python3 benchmarks/step_kinds.py --config "mtp k=3" --batch-size 64 [--max-tokens 128] [--json out.json]
-        [--cprofile N] [--varied-lengths]
+        [--cprofile N] [--sort cumulative|tottime] [--varied-lengths] [--plans] [--no-prefix-caching]
 
 Prints per kind the steps and their total and median wall time; the totals of several
 configurations (one process each) show which kind of step a method loses its time in. ``--cprofile N`` runs each
 step of the timed pass under cProfile and prints, per kind of step, its N functions of most cumulative host time
-(the wall times then include the profiler's overhead). ``--plans`` also groups the steps by how they were planned:
-queued ahead (Q) or on the host (H); the requests computing an earlier chunk of their prompt and their last one;
-whether the drafter drafted behind the step on the device; what ``launch_next`` queued after it; and the host time
-the proposer drafted in after it (engine/async_scheduler.py, engine/verify_plan.py). ``--no-prefix-caching``: a
-joining prompt is then one chunk (with prefix caching a hybrid target's chunks end at its state checkpoints).
+(``--sort tottime``: of most own time; the wall times then include the profiler's overhead). ``--plans`` also
+groups the steps by how they were planned: queued ahead (Q) or on the host (H); the requests computing an earlier
+chunk of their prompt and their last one; whether the drafter drafted behind the step on the device; what
+``launch_next`` queued after it; and the host time the proposer drafted in after it (engine/async_scheduler.py,
+engine/verify_plan.py). ``--no-prefix-caching``: a joining prompt is then one chunk (with prefix caching a hybrid
+target's chunks end at its state checkpoints).
 """
 
 import argparse
@@ -37,6 +38,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--cprofile", type=int, default=0, metavar="N")
+    parser.add_argument("--sort", default="cumulative", choices=["cumulative", "tottime"])
     parser.add_argument("--varied-lengths", action="store_true", help="as spec_vs_none.py's")
     parser.add_argument("--plans", action="store_true", help="group the steps by how they were planned")
     parser.add_argument("--no-prefix-caching", action="store_true")
@@ -102,7 +104,7 @@ def main() -> None:
         report["plans"] = plans.print()
     for kind, stats in sorted(profiles.items()):
         print(f"\n=== cProfile of the steps {'with a prompt chunk' if kind else 'with decodes / verifies only'}")
-        stats.sort_stats("cumulative").print_stats(args.cprofile)
+        stats.sort_stats(args.sort).print_stats(args.cprofile)
     if args.json is not None:
         args.json.write_text(json.dumps(report, indent=1))
 
