@@ -74,8 +74,9 @@ def heldout_prompts() -> tuple[str, ...]:
 @dataclass(frozen=True)
 class Shape:
     """How the engine batches: max_num_seqs, CUDA graphs or eager, chunked prefill or not, prefix caching or not
-    (on the hybrid target a prompt's chunks end at its state checkpoints with it; without it a joining prompt is one
-    chunk, which a model drafter drafts behind on the device and which joins a verify queued ahead)."""
+    (on the hybrid target a prompt's chunks end at its state checkpoints with it, and a model drafter drafts behind
+    each chunk on the device, the next chunk riding the verify queued ahead; without it a joining prompt is one
+    chunk)."""
 
     max_num_seqs: int
     graphs: bool = True
