@@ -20,8 +20,7 @@ from truespec.engine.parallel_sampling import ParentRequests
 from truespec.engine.stop_checker import StopChecker
 from truespec.kv_cache.config import CacheConfig
 from truespec.kv_cache.layout import set_sparse_v
-from truespec.kv_cache.manager import KVCacheManager
-from truespec.kv_cache.sizing import checkpoint_share, num_kv_blocks, prefix_settings, resolve_max_model_len
+from truespec.kv_cache.sizing import make_kv_cache, resolve_max_model_len
 from truespec.layers.gdn import chunked_prefill_min_len
 from truespec.layers.linear import set_batch_invariant
 from truespec.layers.rotary import share_fixed_tables
@@ -80,15 +79,11 @@ class LLMEngine:
                                                           config.structured_outputs_config.disable_any_whitespace)
         self.runner = ModelRunner(loaded.model, self.device, self.dtype, config.seed, self.stop_checker.eos_token_ids,
                                   cache.kv_cache_dtype)
-        k, n, slot_bytes = config.num_speculative_tokens, config.max_num_seqs, self.runner.state_bytes_per_slot
-        kv_bytes, state_bytes = self.runner.kv_bytes_per_token, slot_bytes * n * (1 + k)
-        extra_tokens = prefix_cache_extra_tokens(drafter)  # None: the drafter turns prefix caching off
-        num_blocks = num_kv_blocks(cache, kv_bytes, state_bytes, self.max_model_len, n, self.device,
-                                   checkpoint_share(cache, slot_bytes, extra_tokens is not None))
-        prefix = prefix_settings(cache, num_blocks, kv_bytes, slot_bytes, state_bytes, self.device, extra_tokens,
-                                 has_drafter_cache=drafter is not None)
-        self.kv = KVCacheManager(num_blocks, cache.block_size, num_state_groups=n, slots_per_group=1 + k,
-                                 prefix=prefix)
+        k, n = config.num_speculative_tokens, config.max_num_seqs
+        self.kv = make_kv_cache(cache, self.runner.kv_bytes_per_token, self.runner.state_bytes_per_slot,
+                                self.max_model_len, n, k, self.device, prefix_cache_extra_tokens(drafter),
+                                has_drafter_cache=drafter is not None)
+        num_blocks = self.kv.blocks.num_ids
         self.runner.allocate_caches(num_blocks, cache.block_size, self.kv.num_state_slots)
         graphs = GraphSettings(
             mode=config.cudagraph_mode, block_size=cache.block_size,

@@ -1,5 +1,5 @@
 """How many KV blocks the pool gets, the prefix cache's state checkpoints, and the longest sequence the engine
-accepts."""
+accepts; ``make_kv_cache`` puts them together into the engine's cache manager."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from truespec.kv_cache.config import CacheConfig
-from truespec.kv_cache.manager import PrefixSettings
+from truespec.kv_cache.manager import KVCacheManager, PrefixSettings
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -22,6 +22,21 @@ def resolve_max_model_len(max_model_len: int | None, hf_config: PretrainedConfig
         raise ValueError(f"max_model_len={max_model_len} is larger than the model's "
                          f"max_position_embeddings={model_max}")
     return max_model_len
+
+
+def make_kv_cache(cache: CacheConfig, kv_bytes_per_token: int, state_bytes_per_slot: int, max_model_len: int,
+                  max_num_seqs: int, num_speculative_tokens: int, device: torch.device, extra_tokens: int | None,
+                  has_drafter_cache: bool = False) -> KVCacheManager:
+    """The engine's cache manager: a state group of ``1 + num_speculative_tokens`` slots per request, the KV pool
+    what memory allows after them and the state checkpoints (``num_kv_blocks``), the prefix cache's settings
+    (``prefix_settings``: ``extra_tokens`` None when the drafter cannot share a cache)."""
+    n, k = max_num_seqs, num_speculative_tokens
+    state_bytes = state_bytes_per_slot * n * (1 + k)
+    share = checkpoint_share(cache, state_bytes_per_slot, extra_tokens is not None)
+    num_blocks = num_kv_blocks(cache, kv_bytes_per_token, state_bytes, max_model_len, n, device, share)
+    prefix = prefix_settings(cache, num_blocks, kv_bytes_per_token, state_bytes_per_slot, state_bytes, device,
+                             extra_tokens, has_drafter_cache)
+    return KVCacheManager(num_blocks, cache.block_size, num_state_groups=n, slots_per_group=1 + k, prefix=prefix)
 
 
 def num_kv_blocks(cache: CacheConfig, kv_bytes_per_token: int, state_bytes: int, max_model_len: int,
