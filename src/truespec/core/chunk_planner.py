@@ -1,7 +1,7 @@
 """How much of a request one step computes, and the KV positions it must hold for it (pure Python, no torch).
 
-A decoding request computes 1 token plus the drafts it verifies; a request still prefilling the next chunk of its
-prompt (and, after preemption, of its output so far). Drafts ride on a request's last chunk and are cut only by
+A decoding request computes 1 token plus the drafts it verifies; a request still prefilling computes the next chunk
+of its prompt (and, after preemption, of its output so far). Drafts ride on a request's last chunk and are cut only by
 limits of the request itself, never by the rest of the batch: so a request verifies the same drafts alone or in
 any batch, and its seeded random draws stay batch invariant.
 
