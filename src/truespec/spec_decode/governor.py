@@ -23,8 +23,8 @@ request-second with drafting on and with drafting off, and lets a bucket's steps
   holds its own verify and the drafting for the next one (or, queued ahead, the previous step's tail), so the
   steps beside a switch mix both modes.
 - Steps with a prompt chunk (a request joining, or a preempted one's recompute) count too: with a model drafter a
-  join costs more while drafting (the step is planned on the host, the drafter catches up on the prompt and drafts
-  for the whole batch), and requests that accept different numbers of drafts finish apart, so they join one by
+  join costs more while drafting (the drafter catches up on the prompt and drafts for the whole batch, one forward
+  per launch rather than one graph replay), and requests that accept different numbers of drafts finish apart, so they join one by
   one, in more such steps (BENCHMARKS.md, session 29: at 64 requests with MTP, 64% of the drafting time was in
   steps the governor did not count then). Such steps in a row (a join, or one long prompt's chunks) are one
   sample, counted when the run ends, at most ``PROMPT_STEP_CAP`` typical decode / verify steps of its mode long (a
