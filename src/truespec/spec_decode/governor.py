@@ -22,20 +22,19 @@ request-second with drafting on and with drafting off, and lets a bucket's steps
 - A sample counts only when the step and both its neighbours ran in the same bucket and mode: a step's interval
   holds its own verify and the drafting for the next one (or, queued ahead, the previous step's tail), so the
   steps beside a switch mix both modes.
-- Steps with a prompt chunk (a request joining, or a preempted one's recompute) count too: with a model drafter a
-  join costs more while drafting (the drafter catches up on the prompt and drafts for the whole batch, one forward
-  per launch rather than one graph replay), and requests that accept different numbers of drafts finish apart, so they join one by
-  one, in more such steps (BENCHMARKS.md, session 29: at 64 requests with MTP, 64% of the drafting time was in
-  steps the governor did not count then). Such steps in a row (a join, or one long prompt's chunks) are one
+- Steps with a prompt chunk (a request joining, or a preempted one's recompute) count too: with a model drafter a join
+  costs more while drafting (the drafter catches up on the prompt and drafts for the whole batch, one forward per
+  launch rather than one graph replay), and requests that accept different numbers of drafts finish apart, so they
+  join one by one, in more such steps (BENCHMARKS.md, session 29: at 64 requests with MTP, 64% of the drafting time
+  was in steps the governor did not count then). Such steps in a row (a join, or one long prompt's chunks) are one
   sample, counted when the run ends, at most ``PROMPT_STEP_CAP`` typical decode / verify steps of its mode long (a
   moving mean, decayed x0.9 per sample), so that one long prompt, which costs the same in both modes and falls in
   whichever runs, does not decide alone; a join before the mode's first decode / verify sample in the bucket is not
   counted. Joins are rare and costly, so they are kept apart: per mode, decayed x``PROMPT_DECAY`` per sample of the
   mode, their tokens and request-seconds and their share of the mode's samples; a mode's rate mixes its decode /
   verify samples' (decayed as below) with theirs at that share. They never end a measurement or switch a mode by
-  themselves (``benchmarks/governor_sim.py``, 3000 steps: with joins as costly in both modes, 1.0x of the better
-  fixed mode; with joins costlier while drafting, 0.98-1.0x where counting only decode / verify steps gave
-  0.82-0.96x).
+  themselves (``benchmarks/governor_sim.py``, 3000 steps: with joins as costly in both modes, 1.0x of the better fixed
+  mode; with joins costlier while drafting, 0.98-1.0x where counting only decode / verify steps gave 0.82-0.96x).
 - A bucket not measured yet drafts (as configured: a bucket whose steps all hold prompt chunks is never
   measured). Its first counted samples give each mode a first estimate (2 samples each, drafting first); from then
   on the bucket keeps the mode it chose, and measures the other for ``EXPLORE_STEPS`` counted samples (2 if it is
