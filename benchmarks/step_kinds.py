@@ -118,10 +118,13 @@ class PlanLog:
         step, launch, launch_next, propose = engine.step, runner.launch, overlap.launch_next, handoff.propose
         current: dict = {}
 
-        def launched(sched, *a, **kw):  # noqa: ANN001, ANN002, ANN003, ANN202
+        def count_chunks(sched):  # noqa: ANN001, ANN202
             # the step's own launch is the first; a later one queues the next step (counted when that one runs)
             current.setdefault("earlier", sum(not r.is_last_chunk for r in sched.scheduled))
             current.setdefault("last", sum(r.is_last_chunk and r.num_prompt_rows > 0 for r in sched.scheduled))
+
+        def launched(sched, *a, **kw):  # noqa: ANN001, ANN002, ANN003, ANN202
+            count_chunks(sched)
             return launch(sched, *a, **kw)
 
         def planned_next(step_launched):  # noqa: ANN001, ANN202
@@ -139,8 +142,7 @@ class PlanLog:
             queued = overlap.inflight  # a step queued ahead: launched (its chunks counted) by the step before
             current.clear()
             if queued is not None:
-                current["earlier"] = sum(not r.is_last_chunk for r in queued.sched.scheduled)
-                current["last"] = sum(r.is_last_chunk and r.num_prompt_rows > 0 for r in queued.sched.scheduled)
+                count_chunks(queued.sched)
             start = time.perf_counter()
             out = step()
             if "ahead" in current:  # the step ran (an idle one launches nothing)

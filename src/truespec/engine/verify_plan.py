@@ -90,11 +90,13 @@ def plan_verify(scheduler: Scheduler, seqs: dict[str, Sequence], drafter: Device
         return None, False  # the next step admits a waiting request: its prompt goes in a step planned on the host
     dd = launched.device_drafts
     k, plans, limits = dd.num_drafts, [], []  # k drafts, or none; limits: the most each request's plan may move
+    going_at: list[int] = []  # the plans of prompts going on (their next chunk)
     scheduled = [launched.sched.scheduled[i] for i in kept]
     for r, seq in zip(scheduled, goers, strict=True):
         if not r.is_last_chunk:  # its prompt goes on: the next chunk, planned by the scheduler, not moved
             if admit is None or seq.output_token_ids or not admit(seq, 1):  # a fresh prompt's (not a re-prefill's)
                 return None, False
+            going_at.append(len(plans))
             plans.append((seq, seq.num_computed_tokens + r.num_new_tokens, 0, None))
             limits.append(0)
             continue
@@ -118,7 +120,7 @@ def plan_verify(scheduler: Scheduler, seqs: dict[str, Sequence], drafter: Device
         return None, False
     device, counts = dd.next_ids.device, {d for _, _, d, _ in plans}
     # the prompts going on: their chunks' ids after the drafts' in the source the step's ids are gathered from
-    going = {i: r.token_ids for i, (plan, r) in enumerate(zip(plans, out.scheduled, strict=False)) if plan[3] is None}
+    going = {i: out.scheduled[i].token_ids for i in going_at}
     if len(counts) == 1 and not going and len(kept) == len(launched.sched.scheduled):  # each: token, as many drafts
         (drafts,) = counts
         ids, shift = dd.next_ids[:, :1 + drafts].flatten(), dd.num_accepted
