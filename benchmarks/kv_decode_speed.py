@@ -2,7 +2,7 @@
 
     python3 benchmarks/kv_decode_speed.py --model DIR [--contexts 8192 32768] [--batch-sizes 1 8]
         [--kv-cache-dtypes auto fp8 turboquant_k8v4 ...] [--max-splits 16 64 128] [--sparse-v-threshold T]
-        [--json FILE]
+        [--kernels N] [--json FILE]
 
 Decode time does not depend on what the cache holds, so no prompt is prefilled: each request's context is a run of
 blocks filled with random bytes (random normal K/V for ``auto``; for packed formats random codes, fp8 bytes
@@ -14,7 +14,8 @@ layer, each over its own cache (so that a layer's K/V is not still in L2 from it
 replayed as one CUDA graph (``triton.testing.do_bench_cudagraph``: no host launch cost), and report us per call,
 the ratio to ``auto`` at the same cap (above 1.0x: faster than the bf16 cache) and the bytes of K/V the call must
 read per second, beside the card's copy bandwidth (a 1 GiB device-to-device copy, read + write counted). Prints a
-markdown table of the steps and one of the kernel per cap last.
+markdown table of the steps and one of the kernel per cap last. ``--kernels N``: where a step's GPU time goes, the
+N kernels with the most device time per step (torch.profiler over the step's graph replays), per dtype and shape.
 """
 
 import argparse
@@ -25,6 +26,7 @@ from collections.abc import Callable
 
 import torch
 import triton
+from torch.profiler import ProfilerActivity, profile
 
 from truespec import LLM
 from truespec.kernels import paged_attention, paged_attention_packed
@@ -86,21 +88,40 @@ def attention_calls(llm: LLM, tables: torch.Tensor, context: int, threshold: flo
     return calls, kv_bytes
 
 
+def step_kernels(step: Callable[[], object], iters: int, top: int) -> list[tuple[str, float, float]]:
+    """The ``top`` kernels by device time over ``iters`` calls of ``step``: (name, us per step, calls per step)."""
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            step()
+        torch.cuda.synchronize()
+    rows = [(e.key[:60], e.self_device_time_total / iters, e.count / iters) for e in prof.key_averages()
+            if e.self_device_time_total > 0]  # fmt: skip
+    rows.sort(key=lambda r: -r[1])
+    total = sum(r[1] for r in rows)
+    return [("all kernels", total, sum(r[2] for r in rows))] + rows[:top]
+
+
 def measure(llm: LLM, context: int, batch_size: int, iters: int, threshold: float | None,
-            caps: list[int]) -> dict[str, object]:  # fmt: skip
+            caps: list[int], top: int) -> dict[str, object]:  # fmt: skip
     engine = llm.llm_engine
     graphs, block_size = engine.runner.graphs, engine.cache_config.block_size
     blocks_per_req = -(-(context + 1) // block_size)
     rows = [ContextRow(list(range(i * blocks_per_req, (i + 1) * blocks_per_req)), context, 1, -1, -1, 0, 1)
             for i in range(batch_size)]
-    step_s = _time(lambda: graphs.run(rows, [1] * batch_size, [context] * batch_size, decode_only=True), iters)
+    step = functools.partial(graphs.run, rows, [1] * batch_size, [context] * batch_size, decode_only=True)
+    step_s = _time(step, iters)
+    kernels = step_kernels(step, iters, top) if top else []
+    for name, us, calls in kernels:
+        print(f"    {us:8.1f} us {calls:5.1f} calls  {name}")
     tables = torch.tensor([r.block_ids for r in rows], device="cuda", dtype=torch.int32)
     by_cap = {}
     for cap in caps:
         calls, kv_bytes = attention_calls(llm, tables, context, threshold, cap)
         kernel_s = triton.testing.do_bench_cudagraph(lambda c=calls: [call() for call in c]) / 1e3 / len(calls)
         by_cap[cap] = {"attn_us": kernel_s * 1e6, "attn_gbps": kv_bytes / len(calls) / kernel_s / 1e9}
-    return {"step_ms": step_s * 1e3, **by_cap[caps[0]], "by_max_splits": by_cap}
+    return {"step_ms": step_s * 1e3, **by_cap[caps[0]], "by_max_splits": by_cap, "kernels": kernels}
 
 
 def kernel_table(results: dict[str, dict[str, dict]], keys: list[str], caps: list[int], bandwidth: float) -> None:
@@ -129,6 +150,7 @@ def main() -> None:
                         help=f"split caps the kernel rows time (default: the engine's, {MAX_SPLITS})")
     parser.add_argument("--sparse-v-threshold", type=float, default=None, help="kernel rows only (default off)")
     parser.add_argument("--iters", type=int, default=50)
+    parser.add_argument("--kernels", type=int, default=0, help="print the N kernels with the most time per step")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     bandwidth = copy_bandwidth()
@@ -145,9 +167,10 @@ def main() -> None:
         results[dtype] = {}
         for context in args.contexts:
             for bs in args.batch_sizes:
+                print(f"{dtype} ctx={context} BS={bs}:", flush=True)
                 r = results[dtype][f"{context}/{bs}"] = measure(llm, context, bs, args.iters, args.sparse_v_threshold,
-                                                                args.max_splits)  # fmt: skip
-                print(f"{dtype} ctx={context} BS={bs}: {r}", flush=True)
+                                                                args.max_splits, args.kernels)  # fmt: skip
+                print(f"  {dict((k, v) for k, v in r.items() if k != 'kernels')}", flush=True)
         del llm
         torch.cuda.empty_cache()
     keys = [f"{c}/{b}" for c in args.contexts for b in args.batch_sizes]

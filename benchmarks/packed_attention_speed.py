@@ -50,25 +50,27 @@ def batch(num_keys: int, query_len: int, peak: float, gen: torch.Generator) -> t
     return (q, k, v, *meta)
 
 
-def import_src_tree(src: str) -> tuple[object, object]:
-    """(kernels.paged_attention, kernels.paged_attention_packed) of the truespec under another checkout's ``src``,
-    imported beside ours: our truespec modules leave sys.modules meanwhile and come back after, so each side's
-    functions keep reading their own modules (kv_tiles.py included)."""
+ATTENTION_MODULES = ("truespec.kernels.paged_attention", "truespec.kernels.paged_attention_packed")
+
+
+def import_src_tree(src: str, names: tuple[str, ...] = ATTENTION_MODULES) -> tuple:
+    """The modules ``names`` (default: kernels.paged_attention, kernels.paged_attention_packed) of the truespec under
+    another checkout's ``src``, imported beside ours: our truespec modules leave sys.modules meanwhile and come back
+    after, so each side's functions keep reading their own modules (kv_tiles.py included)."""
     src = os.path.abspath(src)
     ours = {name: module for name, module in sys.modules.items() if name.split(".")[0] == "truespec"}
     for name in ours:
         del sys.modules[name]
     sys.path.insert(0, src)
     try:
-        attention = importlib.import_module("truespec.kernels.paged_attention")
-        packed = importlib.import_module("truespec.kernels.paged_attention_packed")
+        modules = tuple(importlib.import_module(name) for name in names)
     finally:
         sys.path.remove(src)
         for name in [name for name in sys.modules if name.split(".")[0] == "truespec"]:
             del sys.modules[name]
         sys.modules.update(ours)
-    assert attention.__file__.startswith(str(src)) and packed.paged_attention_packed is not paged_attention_packed
-    return attention, packed
+    assert all(module.__file__.startswith(str(src)) for module in modules)
+    return modules
 
 
 def kernels(num_keys: int, query_len: int, peak: float, old: object | None, old_src: tuple | None,

@@ -78,10 +78,11 @@ for name in ["fp8", "turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc
                                                                DOT_DTYPE=tl.float32, FP16_ALIGNED=True), types)
     compile_kernel(store._kv_store_packed_kernel,
                    dict(HEAD_DIM=D, HEAD_DIM_PAD=D, **encoding, KEY_BYTES=fmt.key_bytes(D), CODE_BLOCK=32,
-                        NORM_CORRECTION=fmt.norm_correction, COMPUTE_DTYPE=tl.float32, TINY=1.1754943508222875e-38,
+                        NORM_CORRECTION=fmt.norm_correction, COMPUTE_DTYPE=tl.float32,
+                        TINY=1.1754943508222875e-38,
                         IS_FP64=False),
                    dict(k_ptr="*bf16", v_ptr="*bf16", kv_cache_ptr="*u8", slot_mapping_ptr="*i64",
-                        hadamard_ptr="*fp32", boundaries_ptr="*fp32", centroids_ptr="*fp64"))
+                        h00_ptr="*fp32", boundaries_ptr="*fp32", centroids_ptr="*fp64"))
 merge = importlib.import_module("truespec.kernels.split_merge")
 for cap in (16, 128):  # the merge kernel at the smallest and largest split caps the engine may use
     grid, tile = merge.merge_grid_and_tile(1, 8, D, cap, attention.MERGE_SPLITS, attention.MERGE_DIM)

@@ -164,6 +164,24 @@ def test_store_rounding_corner_cases(name: str) -> None:
     assert torch.equal(ours, ref)
 
 
+@pytest.mark.parametrize("name", ["turboquant_4bit_nc", "turboquant_3bit_nc"])
+@pytest.mark.parametrize("head_dim", [4, 64])
+def test_store_launch_knobs_keep_the_bytes(name: str, head_dim: int) -> None:
+    """Every ``code_block`` (8 .. D) and 1 or 4 warps write the default's bytes, which are the reference's; head dim 4
+    packs its keys' codes without whole 8-code groups (``_store_all_codes``' other path)."""
+    fmt = FORMATS[name]
+    k, v = random_rows(10, 2, head_dim, torch.float32, seed=7)
+    slot_mapping = padded_slots(9, 4 * 8, seed=7)
+    ours, ref = store_both(fmt, k, v, slot_mapping, num_blocks=4, block_size=8)
+    assert torch.equal(ours, ref)
+    for code_block, num_warps in [(8, 4), (64, 1), (64, 4)]:
+        other = torch.full_like(ours, SENTINEL)
+        store_packed(k, v, other, slot_mapping, fmt, code_block=code_block, num_warps=num_warps)
+        assert torch.equal(other, ours), (code_block, num_warps)
+    with pytest.raises(ValueError, match="code_block 12"):
+        store_packed(k, v, other, slot_mapping, fmt, code_block=12)
+
+
 def test_store_rejects_a_mismatched_cache() -> None:
     k, v = random_rows(3, 2, 16, torch.float32, seed=3)
     cache = torch.zeros(2, 4, 2, FORMATS["turboquant_4bit_nc"].bytes_per_token(16), dtype=torch.uint8, device=DEVICE)

@@ -9,7 +9,9 @@ nothing for a padding row (slot -1). Every step follows the reference's order an
   bits (exactly what torch does; Triton's interpreter rounds fp8 casts differently); fp64 rows are rounded to fp32
   first, as torch does.
 - Lloyd-Max keys: ``norm = sqrt(sum x^2)``, ``unit = x / max(norm, tiny)``, ``rot = unit @ H`` (the normalised
-  Hadamard matrix, a [D, D] product in the compute dtype, taken in column chunks of CODE_BLOCK), each coordinate's
+  Hadamard matrix) by the fast Walsh-Hadamard transform in the compute dtype (log2 D stages of sums and differences,
+  then one product by H[0, 0] = 1 / sqrt(D) rounded: D log D additions where the [D, D] product took D^2
+  multiply-adds, 2.1x slower at one token, BENCHMARKS.md session 31), each coordinate's
   code = the number of float32 decision boundaries strictly below it (``codebook_codes``: a tie goes to the lower
   code), codes bit-packed little-endian; then the fp16 scale: ||k|| / ||c|| with norm correction (||c||^2 summed
   in float64, exact in any order, then divided and rounded as the reference does), else ||k||. Division and square
@@ -19,8 +21,9 @@ nothing for a padding row (slot -1). Every step follows the reference's order an
   [0, 2^b - 1] (scale 0 reads as 1), bit-packed; then the fp16 scale and zero.
 
 What can differ from the reference: the sum of squares and the rotation's sums are reduced in another order than
-torch's kernels (compiled, with fused multiply-adds; and torch's CPU fp32 sqrt is not always correctly rounded: 442
-of 65536 random inputs were 1 ulp low), so the fp32 norm and rotated coordinates may differ in their last bits. A
+torch's kernels (compiled, with fused multiply-adds; and 1 / sqrt(D), inexact at odd powers of two, multiplies
+each sum once instead of each term; and torch's CPU fp32 sqrt is not always correctly rounded: 442 of 65536
+random inputs were 1 ulp low), so the fp32 norm and rotated coordinates may differ in their last bits. A
 key code then differs only where a rotated coordinate lies within a few fp32 ulps of a decision boundary, and an
 fp16 scale by one ulp where the fp32 norm sits near an fp16 rounding midpoint (or as the scale of the key's own codes,
 where one of them differs: ||c|| follows the codes). Measured (session 12, when the field held the norm) on CPU
@@ -49,7 +52,8 @@ from truespec.ops.kv_quant import FP8_MAX, FP16_MAX, hadamard, packed_size
 from truespec.ops.lloyd_max import lloyd_max_codebook
 from truespec.ops.precision import compute_dtype
 
-CODE_BLOCK = 32  # codes rotated, coded and packed at a time (a multiple of 8: whole bytes per chunk)
+CODE_BLOCK = 32  # uniform value codes rounded and packed at a time (a multiple of 8: whole bytes per chunk)
+NUM_WARPS = 4
 # constants read inside @triton.jit code (compiled kernels may read only constexpr globals)
 _FP8, _FP8_MAX, _FP16_MAX = tl.constexpr(kv_tiles.FP8), tl.constexpr(FP8_MAX), tl.constexpr(FP16_MAX)
 
@@ -137,12 +141,38 @@ def _store_codes(ptr, codes, first_code, BITS: tl.constexpr, NUM_BYTES: tl.const
 
 
 @triton.jit
+def _walsh_hadamard(x, D: tl.constexpr):
+    """x [D] times the Sylvester matrix of +-1 entries (H_2n = [[H, H], [H, -H]]), by the fast transform: log2(D)
+    butterfly stages, stage s pairing x[i] with x[i + 2^s] into (sum, difference) within blocks of 2^(s + 1)."""
+    for stage in tl.static_range(D.bit_length() - 1):
+        pairs = tl.permute(tl.reshape(x, [D // (2 << stage), 2, 1 << stage]), [0, 2, 1])  # [blocks, 2^stage, 2]
+        a, b = tl.split(pairs)
+        x = tl.reshape(tl.permute(tl.join(a + b, a - b), [0, 2, 1]), [D])
+    return x
+
+
+@triton.jit
+def _store_all_codes(ptr, codes, BITS: tl.constexpr, NUM_BYTES: tl.constexpr):
+    """Pack int32 ``codes`` [D] (every code of a slot) into the NUM_BYTES bytes of the little-endian bit stream at
+    ``ptr``: groups of 8 codes are BITS whole bytes each (D a multiple of 8), else the bytes of ``_store_codes``."""
+    D: tl.constexpr = codes.shape[0]
+    if D % 8 == 0:
+        shifts = tl.arange(0, 8) * BITS
+        words = reduce_sum(tl.reshape(codes, [D // 8, 8]) << shifts[None, :], 1)  # [D / 8]: disjoint bits, sum == or
+        group = tl.arange(0, D // 8)
+        for byte in tl.static_range(BITS):
+            tl.store(ptr + group * BITS + byte, ((words >> (8 * byte)) & 0xFF).to(tl.uint8))
+    else:
+        _store_codes(ptr, codes, 0, BITS, NUM_BYTES, D)
+
+
+@triton.jit
 def _kv_store_packed_kernel(
     k_ptr,  # [T', num_kv_heads, head_dim]
     v_ptr,  # [T', num_kv_heads, head_dim]
     kv_cache_ptr,  # uint8 [num_blocks, block_size, num_kv_heads, bytes_per_token]
     slot_mapping_ptr,  # [T]
-    hadamard_ptr,  # [D, D] in the compute dtype (LLOYD_MAX keys only)
+    h00_ptr,  # [1]: H[0, 0] = 1 / sqrt(D) in the compute dtype (LLOYD_MAX keys only)
     boundaries_ptr,  # [2^KEY_BITS - 1] float32 decision boundaries (LLOYD_MAX keys only)
     centroids_ptr,  # [2^KEY_BITS] float64 centroids (LLOYD_MAX keys with NORM_CORRECTION only)
     stride_k_tok,
@@ -161,7 +191,7 @@ def _kv_store_packed_kernel(
     VALUE_ENC: tl.constexpr,
     VALUE_BITS: tl.constexpr,
     VALUE_CODE_BYTES: tl.constexpr,
-    CODE_BLOCK: tl.constexpr,  # min(CODE_BLOCK, HEAD_DIM_PAD)
+    CODE_BLOCK: tl.constexpr,  # uniform values: min(code_block, HEAD_DIM_PAD)
     COMPUTE_DTYPE: tl.constexpr,
     TINY: tl.constexpr,  # smallest normal of the compute dtype (the reference's clamp of the norm)
     IS_FP64: tl.constexpr,
@@ -186,18 +216,15 @@ def _kv_store_packed_kernel(
         unit = _div(x, tl.maximum(norm, tl.full([], TINY, COMPUTE_DTYPE)), IS_FP64)
         b = tl.arange(0, 1 << KEY_BITS)
         boundaries = tl.load(boundaries_ptr + b, mask=b < (1 << KEY_BITS) - 1, other=float("inf")).to(COMPUTE_DTYPE)
-        c_sq = tl.full([], 0, tl.float64)  # ||c||^2: exact in float64 in any order (ops/kv_quant.py centroid_norms)
-        for c0 in tl.static_range(0, HEAD_DIM, CODE_BLOCK):
-            cols = c0 + tl.arange(0, CODE_BLOCK)
-            h = tl.load(hadamard_ptr + d[:, None] * HEAD_DIM + cols[None, :])  # [HEAD_DIM, CODE_BLOCK]
-            rot = reduce_sum(unit[:, None] * h, 0)  # [CODE_BLOCK]: rotated coordinates c0..
-            # codebook_codes: the number of boundaries strictly below (a tie goes to the lower code)
-            codes = reduce_sum((boundaries[None, :] < rot[:, None]).to(tl.int32), 1)
-            _store_codes(slot_ptr, codes, c0, KEY_BITS, KEY_CODE_BYTES, CODE_BLOCK)
-            if NORM_CORRECTION:
-                c = tl.load(centroids_ptr + codes)
-                c_sq += reduce_sum(c * c, 0)
+        rot = _walsh_hadamard(unit, HEAD_DIM) * tl.load(h00_ptr)  # unit @ H: H = H[0, 0] * (+-1 entries)
+        # codebook_codes: the number of boundaries strictly below (a tie goes to the lower code)
+        codes = reduce_sum((boundaries[None, :] < rot[:, None]).to(tl.int32), 1)  # [HEAD_DIM]
+        _store_all_codes(slot_ptr, codes, KEY_BITS, KEY_CODE_BYTES)
         if NORM_CORRECTION:
+            c = tl.load(centroids_ptr + codes)
+            c_sq = reduce_sum(c * c, 0)
+        if NORM_CORRECTION:
+            # ||c||^2 in float64: exact in any order (ops/kv_quant.py centroid_norms)
             _store_fp16(slot_ptr + KEY_CODE_BYTES, _to_fp16(norm.to(tl.float64) / tl.sqrt(c_sq), True))
         else:
             _store_fp16(slot_ptr + KEY_CODE_BYTES, _to_fp16(norm, IS_FP64))
@@ -229,10 +256,11 @@ def _kv_store_packed_kernel(
 @cache
 def _rotation_tables(head_dim: int, bits: int, dtype: torch.dtype, device: torch.device
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
-    """The Hadamard matrix [D, D] in ``dtype``, the float32 decision boundaries and the float64 centroids on
-    ``device`` (cached: no host-to-device copy once warmed up)."""
+    """H[0, 0] [1] of the normalised Hadamard matrix in ``dtype`` (every entry is +-H[0, 0]), the float32 decision
+    boundaries and the float64 centroids on ``device`` (cached: no host-to-device copy once warmed up)."""
     centroids, boundaries = lloyd_max_codebook(head_dim, bits)
-    return hadamard(head_dim, dtype, device).contiguous(), boundaries.to(device), centroids.to(device, torch.float64)
+    h00 = hadamard(head_dim, dtype, device)[0, :1].contiguous()
+    return h00, boundaries.to(device), centroids.to(device, torch.float64)
 
 
 @cache
@@ -242,13 +270,16 @@ def _dummy_tables(dtype: torch.dtype, device: torch.device) -> tuple[torch.Tenso
 
 
 def store_packed(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                 fmt: KVFormat) -> None:  # fmt: skip
+                 fmt: KVFormat, code_block: int = CODE_BLOCK, num_warps: int = NUM_WARPS) -> None:  # fmt: skip
     """Encode k / v [T', num_kv_heads, head_dim] (any float dtype) as ``fmt`` and store them at ``slot_mapping`` [T]
     (T <= T'; rows with slot -1 write nothing) into the packed ``kv_cache`` uint8 [num_blocks, block_size,
     num_kv_heads, fmt.bytes_per_token(head_dim)], in place: ``store_packed_ref(fmt.encode(k, v), kv_cache,
     slot_mapping)`` in one kernel (see the module docstring for where a key code may differ). No host sync; the
     rotation tables are cached per (head_dim, bits, dtype, device), so a first eager call before capture makes it
-    CUDA-graph capturable."""
+    CUDA-graph capturable. Launch knobs (benchmarks/kv_store_speed.py; the engine passes none): ``code_block``,
+    uniform value codes rounded and packed at a time (a power of two >= 8), and ``num_warps``."""
+    if code_block < 8 or code_block & (code_block - 1):
+        raise ValueError(f"code_block {code_block} is not a power of two >= 8")
     num_tokens = slot_mapping.shape[0]
     _, num_kv_heads, head_dim = k.shape
     check_packed_cache(kv_cache, fmt, head_dim)
@@ -263,20 +294,21 @@ def store_packed(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_
     acc_dtype = compute_dtype(k.dtype)
     if fmt.is_rotated:
         assert fmt.key_bits is not None
-        hadamard_table, boundaries, centroids = _rotation_tables(head_dim, fmt.key_bits, acc_dtype, k.device)
+        h00, boundaries, centroids = _rotation_tables(head_dim, fmt.key_bits, acc_dtype, k.device)
         key_bits, key_code_bytes = fmt.key_bits, packed_size(head_dim, fmt.key_bits)
     else:
-        hadamard_table, boundaries, centroids = _dummy_tables(acc_dtype, k.device)
+        h00, boundaries, centroids = _dummy_tables(acc_dtype, k.device)
         key_bits, key_code_bytes = 8, head_dim
     value_bits = fmt.value_bits if fmt.value_encoding == UNIFORM else 8
     assert value_bits is not None
     head_dim_pad = pad_pow2(head_dim, 1)
     _kv_store_packed_kernel[(num_tokens, num_kv_heads)](
-        k, v, kv_cache, slot_mapping, hadamard_table, boundaries, centroids, k.stride(0), k.stride(1), v.stride(0),
+        k, v, kv_cache, slot_mapping, h00, boundaries, centroids, k.stride(0), k.stride(1), v.stride(0),
         v.stride(1), kv_cache.stride(1), kv_cache.stride(2),
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, KEY_ENC=KEY_ENCODINGS[fmt.key_encoding], KEY_BITS=key_bits,
         KEY_CODE_BYTES=key_code_bytes, KEY_BYTES=fmt.key_bytes(head_dim), NORM_CORRECTION=fmt.norm_correction,
         VALUE_ENC=VALUE_ENCODINGS[fmt.value_encoding], VALUE_BITS=value_bits,
-        VALUE_CODE_BYTES=packed_size(head_dim, value_bits), CODE_BLOCK=min(CODE_BLOCK, head_dim_pad),
-        COMPUTE_DTYPE=tl_compute_dtype(k.dtype), TINY=torch.finfo(acc_dtype).tiny, IS_FP64=acc_dtype == torch.float64,
+        VALUE_CODE_BYTES=packed_size(head_dim, value_bits), CODE_BLOCK=min(code_block, head_dim_pad),
+        COMPUTE_DTYPE=tl_compute_dtype(k.dtype), TINY=torch.finfo(acc_dtype).tiny,
+        IS_FP64=acc_dtype == torch.float64, num_warps=num_warps,
     )  # fmt: skip
