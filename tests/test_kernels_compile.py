@@ -8,8 +8,8 @@ Each cache dtype's attention loop (sparse-V on; off too for the model dtype; a b
 an fp32 model's for two formats; each at its format's warps; fp16 fields by 16-bit loads, for k3v4_nc also by
 byte loads; 4bit_nc's keys also scored 64 head dims at a time, ``key_dim_chunk``, in both loop forms) and store
 kernel, the split merge kernel and the model-dtype loop at split caps 16 and 128, and the prefill kernel (model
-dtype, 4bit_nc), at head_dim 256; and the speculative-step kernels (kernels/spec_step.py, the drafting chain's
-metadata at its largest size: 64 requests, k = 8).
+dtype, 4bit_nc), at head_dim 256; q's Hadamard rotation (kernels/hadamard.py); and the speculative-step kernels
+(kernels/spec_step.py, the drafting chain's metadata at its largest size: 64 requests, k = 8).
 """
 
 import os
@@ -103,6 +103,9 @@ compile_kernel(prefill._prefill_attention_kernel, dict(prefill_layout, KEY_ENC=p
                KEY_BITS=4, KEY_CODE_BYTES=packed_size(D, 4), VALUE_ENC=packed.VALUE_ENCODINGS[fmt.value_encoding],
                VALUE_BITS=4, VALUE_CODE_BYTES=packed_size(D, 4), FP16_ALIGNED=True),
                dict(prefill_types, kv_cache_ptr="*u8", q_ptr="*fp32"))
+hadamard = importlib.import_module("truespec.kernels.hadamard")  # q rotated once per step, rows from bf16
+compile_kernel(hadamard._rotate_rows_kernel, dict(D=D, BLOCK_R=hadamard.BLOCK_ROWS, COMPUTE_DTYPE=tl.float32),
+               dict(x_ptr="*bf16", out_ptr="*fp32", h00_ptr="*fp32"))
 spec = importlib.import_module("truespec.kernels.spec_step")  # a queued step's updates, a drafting chain's metadata
 for fn, constexprs in ((spec._move_positions_kernel, {}), (spec._greedy_accepted_kernel, {}),
                        (spec._chain_metadata_kernel, dict(K=8, BLOCK_R=128, BLOCK_T=1024))):  # 64 requests, k 8

@@ -9,9 +9,9 @@ nothing for a padding row (slot -1). Every step follows the reference's order an
   bits (exactly what torch does; Triton's interpreter rounds fp8 casts differently); fp64 rows are rounded to fp32
   first, as torch does.
 - Lloyd-Max keys: ``norm = sqrt(sum x^2)``, ``unit = x / max(norm, tiny)``, ``rot = unit @ H`` (the normalised
-  Hadamard matrix) by the fast Walsh-Hadamard transform in the compute dtype (log2 D stages of sums and differences,
-  then one product by H[0, 0] = 1 / sqrt(D) rounded: D log D additions where the [D, D] product took D^2
-  multiply-adds, 2.1x slower at one token, BENCHMARKS.md session 31), each coordinate's
+  Hadamard matrix) by the fast Walsh-Hadamard transform in the compute dtype (kernels/hadamard.py: D log D additions
+  where the [D, D] product it replaced took D^2 multiply-adds, 5x slower a call, BENCHMARKS.md session 31), each
+  coordinate's
   code = the number of float32 decision boundaries strictly below it (``codebook_codes``: a tie goes to the lower
   code), codes bit-packed little-endian; then the fp16 scale: ||k|| / ||c|| with norm correction (||c||^2 summed
   in float64, exact in any order, then divided and rounded as the reference does), else ||k||. Division and square
@@ -40,6 +40,7 @@ import triton
 import triton.language as tl
 
 from truespec.kernels import kv_tiles
+from truespec.kernels.hadamard import h00, walsh_hadamard
 from truespec.kernels.paged_attention_packed import (
     KEY_ENCODINGS,
     UNIFORM,
@@ -48,7 +49,7 @@ from truespec.kernels.paged_attention_packed import (
     check_packed_cache,
 )
 from truespec.kernels.triton_utils import pad_pow2, reduce_max, reduce_min, reduce_sum, tl_compute_dtype
-from truespec.ops.kv_quant import FP8_MAX, FP16_MAX, hadamard, packed_size
+from truespec.ops.kv_quant import FP8_MAX, FP16_MAX, packed_size
 from truespec.ops.lloyd_max import lloyd_max_codebook
 from truespec.ops.precision import compute_dtype
 
@@ -141,17 +142,6 @@ def _store_codes(ptr, codes, first_code, BITS: tl.constexpr, NUM_BYTES: tl.const
 
 
 @triton.jit
-def _walsh_hadamard(x, D: tl.constexpr):
-    """x [D] times the Sylvester matrix of +-1 entries (H_2n = [[H, H], [H, -H]]), by the fast transform: log2(D)
-    butterfly stages, stage s pairing x[i] with x[i + 2^s] into (sum, difference) within blocks of 2^(s + 1)."""
-    for stage in tl.static_range(D.bit_length() - 1):
-        pairs = tl.permute(tl.reshape(x, [D // (2 << stage), 2, 1 << stage]), [0, 2, 1])  # [blocks, 2^stage, 2]
-        a, b = tl.split(pairs)
-        x = tl.reshape(tl.permute(tl.join(a + b, a - b), [0, 2, 1]), [D])
-    return x
-
-
-@triton.jit
 def _store_all_codes(ptr, codes, BITS: tl.constexpr, NUM_BYTES: tl.constexpr):
     """Pack int32 ``codes`` [D] (every code of a slot) into the NUM_BYTES bytes of the little-endian bit stream at
     ``ptr``: groups of 8 codes are BITS whole bytes each (D a multiple of 8), else the bytes of ``_store_codes``."""
@@ -216,7 +206,8 @@ def _kv_store_packed_kernel(
         unit = _div(x, tl.maximum(norm, tl.full([], TINY, COMPUTE_DTYPE)), IS_FP64)
         b = tl.arange(0, 1 << KEY_BITS)
         boundaries = tl.load(boundaries_ptr + b, mask=b < (1 << KEY_BITS) - 1, other=float("inf")).to(COMPUTE_DTYPE)
-        rot = _walsh_hadamard(unit, HEAD_DIM) * tl.load(h00_ptr)  # unit @ H: H = H[0, 0] * (+-1 entries)
+        rot = tl.reshape(walsh_hadamard(tl.reshape(unit, [1, HEAD_DIM]), HEAD_DIM), [HEAD_DIM])  # unit @ H / H[0, 0]
+        rot *= tl.load(h00_ptr)
         # codebook_codes: the number of boundaries strictly below (a tie goes to the lower code)
         codes = reduce_sum((boundaries[None, :] < rot[:, None]).to(tl.int32), 1)  # [HEAD_DIM]
         _store_all_codes(slot_ptr, codes, KEY_BITS, KEY_CODE_BYTES)
@@ -259,8 +250,7 @@ def _rotation_tables(head_dim: int, bits: int, dtype: torch.dtype, device: torch
     """H[0, 0] [1] of the normalised Hadamard matrix in ``dtype`` (every entry is +-H[0, 0]), the float32 decision
     boundaries and the float64 centroids on ``device`` (cached: no host-to-device copy once warmed up)."""
     centroids, boundaries = lloyd_max_codebook(head_dim, bits)
-    h00 = hadamard(head_dim, dtype, device)[0, :1].contiguous()
-    return h00, boundaries.to(device), centroids.to(device, torch.float64)
+    return h00(head_dim, dtype, device), boundaries.to(device), centroids.to(device, torch.float64)
 
 
 @cache
@@ -294,16 +284,16 @@ def store_packed(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_
     acc_dtype = compute_dtype(k.dtype)
     if fmt.is_rotated:
         assert fmt.key_bits is not None
-        h00, boundaries, centroids = _rotation_tables(head_dim, fmt.key_bits, acc_dtype, k.device)
+        h00_table, boundaries, centroids = _rotation_tables(head_dim, fmt.key_bits, acc_dtype, k.device)
         key_bits, key_code_bytes = fmt.key_bits, packed_size(head_dim, fmt.key_bits)
     else:
-        h00, boundaries, centroids = _dummy_tables(acc_dtype, k.device)
+        h00_table, boundaries, centroids = _dummy_tables(acc_dtype, k.device)
         key_bits, key_code_bytes = 8, head_dim
     value_bits = fmt.value_bits if fmt.value_encoding == UNIFORM else 8
     assert value_bits is not None
     head_dim_pad = pad_pow2(head_dim, 1)
     _kv_store_packed_kernel[(num_tokens, num_kv_heads)](
-        k, v, kv_cache, slot_mapping, h00, boundaries, centroids, k.stride(0), k.stride(1), v.stride(0),
+        k, v, kv_cache, slot_mapping, h00_table, boundaries, centroids, k.stride(0), k.stride(1), v.stride(0),
         v.stride(1), kv_cache.stride(1), kv_cache.stride(2),
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, KEY_ENC=KEY_ENCODINGS[fmt.key_encoding], KEY_BITS=key_bits,
         KEY_CODE_BYTES=key_code_bytes, KEY_BYTES=fmt.key_bytes(head_dim), NORM_CORRECTION=fmt.norm_correction,

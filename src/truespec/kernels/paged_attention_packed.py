@@ -2,7 +2,7 @@
 
 The cache is uint8 [num_blocks, block_size, num_kv_heads, bytes_per_token]; one slot (token, KV head) holds its
 key part then its value part, laid out as kv_cache/formats.py describes. This wrapper checks the cache, rotates q
-once for Lloyd-Max keys (q @ H in fp32, fp64 for fp64 q) and runs the model-dtype kernel of
+once for Lloyd-Max keys (q @ H in fp32, fp64 for fp64 q, by kernels/hadamard.py) and runs the model-dtype kernel of
 kernels/paged_attention.py with the format's tile encodings (kernels/kv_tiles.py): the same split-KV loop, online
 softmax, merge kernel, workspace chunking and sparse-V tile skip, with each K / V tile decoded in registers where
 the model-dtype kernel loads it (never written back):
@@ -51,6 +51,7 @@ import torch
 
 from truespec.kernels import kv_tiles
 from truespec.kernels.code_operands import lut_words
+from truespec.kernels.hadamard import rotate_rows
 from truespec.kernels.paged_attention import (
     BLOCK_N,
     MAX_SPLITS,
@@ -61,9 +62,8 @@ from truespec.kernels.paged_attention import (
     model_cache_tiles,
     split_attention,
 )
-from truespec.kernels.row_invariant_matmul import row_invariant_matmul
 from truespec.kernels.triton_utils import pad_pow2
-from truespec.ops.kv_quant import hadamard, packed_size
+from truespec.ops.kv_quant import packed_size
 from truespec.ops.lloyd_max import lloyd_max_codebook
 from truespec.ops.precision import compute_dtype
 
@@ -104,15 +104,6 @@ def _centroid_table(head_dim: int, bits: int, dtype: torch.dtype, device: torch.
     if dtype == torch.float32:
         return torch.cat([centroids, words.view(torch.float32)]).to(device)
     return centroids.to(device=device, dtype=dtype)
-
-
-def _rotate(q: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-    """q [T, heads, D] @ H, each row's bits independent of T (invariant 4: cuBLAS picks its algorithm by row count,
-    which was measured on an H100 to change a rotated row between a decode and a verify): the row-invariant matmul
-    for fp32 (H is symmetric, so it is its own [N, K] weight); fp64 (CPU / interpreter only) through torch."""
-    if q.dtype != torch.float32:
-        return torch.matmul(q, h)
-    return row_invariant_matmul(q.reshape(-1, q.shape[-1]), h).view(q.shape)
 
 
 @cache
@@ -225,7 +216,7 @@ def packed_cache_tiles(q: torch.Tensor, kv_cache: torch.Tensor, fmt: KVFormat, h
     acc_dtype = compute_dtype(q.dtype)
     if fmt.is_rotated:
         assert fmt.key_bits is not None
-        q_in = _rotate(q.to(acc_dtype), hadamard(head_dim, acc_dtype, q.device))  # once per step
+        q_in = rotate_rows(q)  # q @ H in the accumulator dtype, once per step, each row alone (invariant 4)
         centroids = _centroid_table(head_dim, fmt.key_bits, acc_dtype, q.device)
         key_bits, key_code_bytes = fmt.key_bits, packed_size(head_dim, fmt.key_bits)
     else:
