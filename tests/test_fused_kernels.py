@@ -312,7 +312,7 @@ def test_gpu_an_engine_on_rope_tables_gives_the_bits_of_one_without(monkeypatch:
     """The embedded model with MTP, bf16, CUDA graphs: with the engine's RoPE tables (the default on CUDA) and
     without them (each forward computes its angles), the same tokens and logprob bits."""
     from truespec import LLM, SamplingParams
-    from truespec.engine import llm_engine
+    from truespec.engine import model_setup
 
     prompts = ["def add(a, b):", "import os\n", "class Stack:\n    def push(self, x):"]
     params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True, logprobs=1)
@@ -325,5 +325,5 @@ def test_gpu_an_engine_on_rope_tables_gives_the_bits_of_one_without(monkeypatch:
                                                                   strict=True)]) for o in outs]
 
     with_tables = run()
-    monkeypatch.setattr(llm_engine, "share_fixed_tables", lambda *args: None)
+    monkeypatch.setattr(model_setup, "share_fixed_tables", lambda *args: None)
     assert run() == with_tables

@@ -127,12 +127,12 @@ def test_a_bad_drafter_is_refused_before_anything_is_allocated(tiny_models: dict
     import json
     import shutil
 
-    import truespec.engine.llm_engine as llm_engine
+    import truespec.engine.model_setup as model_setup
 
     def no_loading(*args: object, **kwargs: object) -> None:
         raise AssertionError("the target was loaded before the drafter was checked")
 
-    monkeypatch.setattr(llm_engine, "load_model", no_loading)
+    monkeypatch.setattr(model_setup, "load_model", no_loading)
     other_vocab = tmp_path / "other_vocab"
     shutil.copytree(tiny_models["qwen3"], other_vocab)
     config = json.loads((other_vocab / "config.json").read_text())

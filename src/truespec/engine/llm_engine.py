@@ -15,35 +15,25 @@ from truespec.engine.async_scheduler import AsyncScheduler, queued_steps
 from truespec.engine.draft_gate import draft_counter, draft_gate
 from truespec.engine.draft_handoff import DraftHandoff
 from truespec.engine.input_processor import InputProcessor, PromptType, Request
+from truespec.engine.model_setup import load_models, make_runner, warm_up
 from truespec.engine.output_processor import OutputProcessor
 from truespec.engine.parallel_sampling import ParentRequests
 from truespec.engine.stop_checker import StopChecker
 from truespec.kv_cache.config import CacheConfig
-from truespec.kv_cache.layout import set_sparse_v
-from truespec.kv_cache.sizing import make_kv_cache, resolve_max_model_len
 from truespec.layers.gdn import chunked_prefill_min_len
-from truespec.layers.linear import set_batch_invariant
-from truespec.layers.rotary import share_fixed_tables
-from truespec.models.loader import load_model
 from truespec.outputs import RequestOutput
 from truespec.sampling_params import SamplingParams
 from truespec.spec_decode.draft_length import DraftLengthPolicy
 from truespec.spec_decode.governor import SpeculationGovernor
 from truespec.spec_decode.interface import Proposer
 from truespec.spec_decode.metrics import SpecDecodeMetrics
-from truespec.spec_decode.model_drafter import ModelDrafter
 from truespec.spec_decode.proposer import (
     check_speculative_config,
-    load_drafter,
     make_proposer,
     num_lookahead_tokens,
-    prefix_cache_extra_tokens,
 )
 from truespec.structured_output.manager import StructuredOutputManager
 from truespec.tokenizer import load_tokenizer
-from truespec.worker.cpu_threads import configure_cpu_threads
-from truespec.worker.graph_runner import GraphSettings
-from truespec.worker.model_runner import ModelRunner
 from truespec.worker.runner_output import ModelRunnerOutput
 
 
@@ -53,57 +43,27 @@ class LLMEngine:
         spec = config.speculative_config
         self.cache_config, self.device = self.check_config(config)  # before anything is allocated
         cache = self.cache_config
-        self.loaded = loaded = load_model(config.model, config.dtype, self.device)
-        self.hf_config, self.dtype = loaded.hf_config, loaded.dtype
-        if self.device.type == "cpu":
-            configure_cpu_threads(config.cpu_threads, self.hf_config.hidden_size)
-        set_batch_invariant(loaded.model, config.batch_invariant)
-        self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(config.tokenizer or config.model)
-        self.max_model_len = resolve_max_model_len(config.max_model_len, self.hf_config)
-        # positions a request's KV (its drafts' included) may reach: its block tables' length and the RoPE table's
-        max_positions = self.max_model_len + config.num_speculative_tokens + 1
+        self.loaded, drafter, self.max_model_len = load_models(config, cache, self.device)
+        self.hf_config, self.dtype = self.loaded.hf_config, self.loaded.dtype
         self.vocab_size = self.hf_config.vocab_size
-        drafter = load_drafter(spec, loaded, self.device)  # weights only: the KV pool is sized after it
-        models = [loaded.model] if drafter is None else [loaded.model, drafter]
-        for model in models:
-            set_sparse_v(model, cache)
-        if self.device.type == "cuda":  # RoPE rows gathered from a table, built before any capture (5 launches fewer)
-            share_fixed_tables(models, max_positions, self.dtype)
-        if drafter is not None:
-            set_batch_invariant(drafter, config.batch_invariant)
+        self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(config.tokenizer or config.model)
         self.stop_checker = StopChecker(self.tokenizer, self.hf_config, config.model)
         self.output_processor = OutputProcessor(self.tokenizer, self.stop_checker)
         # grammar matchers of requests with structured outputs; EOS is allowed where the grammar may end
         self.structured_outputs = StructuredOutputManager(self.tokenizer, self.vocab_size,
                                                           self.stop_checker.eos_token_ids,
                                                           config.structured_outputs_config.disable_any_whitespace)
-        self.runner = ModelRunner(loaded.model, self.device, self.dtype, config.seed, self.stop_checker.eos_token_ids,
-                                  cache.kv_cache_dtype)
-        k, n = config.num_speculative_tokens, config.max_num_seqs
-        self.kv = make_kv_cache(cache, self.runner.kv_bytes_per_token, self.runner.state_bytes_per_slot,
-                                self.max_model_len, n, k, self.device, prefix_cache_extra_tokens(drafter),
-                                has_drafter_cache=drafter is not None)
-        num_blocks = self.kv.blocks.num_ids
-        self.runner.allocate_caches(num_blocks, cache.block_size, self.kv.num_state_slots)
-        graphs = GraphSettings(
-            mode=config.cudagraph_mode, block_size=cache.block_size,
-            capture_sizes=config.compilation_config.capture_sizes(config.max_num_batched_tokens + n * k),
-            max_blocks_per_req=-(-max_positions // cache.block_size))
-        self.runner.init_graphs(graphs)
+        self.runner, self.kv, graphs = make_runner(config, cache, self.device, self.loaded, drafter,
+                                                   self.stop_checker.eos_token_ids, self.max_model_len)
+        k, n, num_blocks = config.num_speculative_tokens, config.max_num_seqs, self.kv.blocks.num_ids
         # fla runs the GDN prefill of long prompts (bf16 / fp16 on CUDA): their chunks are cut where its bits agree
-        self.gdn_rule = GdnPrefillRule.create(chunked_prefill_min_len(loaded.model, self.device),
+        self.gdn_rule = GdnPrefillRule.create(chunked_prefill_min_len(self.loaded.model, self.device),
                                               config.max_num_batched_tokens)
         self.scheduler = Scheduler(self.kv, n, config.max_num_batched_tokens, num_lookahead_tokens(spec),
                                    config.long_prefill_token_threshold, self.gdn_rule)
         proposer = make_proposer(spec, drafter, num_blocks, self.kv.num_state_slots, self.device, config.seed,
                                  graphs, self.hf_config.hidden_size, cache.kv_cache_dtype)
-        self.runner.graphs.warm_up(config.max_num_batched_tokens, num_blocks,  # compile now, not in a first prompt
-                                   gdn_chunked=self.gdn_rule is not None)
-        if self.gdn_rule is not None:  # steps with fla's chunk kernel: graphs between its calls
-            self.runner.graphs.capture_piecewise(min(config.max_num_batched_tokens, num_blocks * cache.block_size), n,
-                                                 self.scheduler.chunks.mixed_prefill_cap)
-        if isinstance(proposer, ModelDrafter):
-            proposer.graphs.warm_up(config.max_num_batched_tokens, num_blocks)
+        warm_up(config, self.runner, self.scheduler, proposer, self.gdn_rule, num_blocks, cache.block_size)
         self.spec_metrics = SpecDecodeMetrics(k)
         self.draft_length = DraftLengthPolicy(k, spec.min_draft_acceptance if spec is not None else None)
         governs = spec is not None and spec.governor == "auto"
