@@ -6,7 +6,9 @@ be read under Nsight Compute: where a kernel's time goes (stall reasons, instruc
         python3 benchmarks/attention_ncu.py --cache turboquant_4bit_nc --keys 32768 [--query-len 1] [--store]
 
 ``--cache auto``: the model-dtype (bf16) cache. ``--store``: also store ``--query-len`` rows into the packed
-cache each time (kernels/kv_store_packed.py). The batch is packed_attention_speed.py's (one request, random K/V).
+cache each time (kernels/kv_store_packed.py; packed caches only), into the cache's last slots (not the request's
+last positions: its block table is a permutation; the timing does not care). The batch is packed_attention_speed.py's
+(one request, random K/V).
 """
 
 import argparse
@@ -32,6 +34,8 @@ def main() -> None:
     q, k, v, qsl, seq_lens, tables = (x.to("cuda") for x in batch(args.keys, args.query_len, 0.0, gen))
     q, meta = q.to(torch.bfloat16), (qsl, seq_lens, tables)
     if args.cache == "auto":
+        if args.store:
+            parser.error("--store needs a packed --cache")
         cache = torch.stack([k, v]).view(2, -1, BLOCK, HKV, D).to(torch.bfloat16)
         call = lambda: paged_attention(q, cache, *meta, D**-0.5)  # noqa: E731
     else:
@@ -42,8 +46,7 @@ def main() -> None:
         call = lambda: paged_attention_packed(q, cache, *meta, D**-0.5, fmt, D)  # noqa: E731
         if args.store:
             attend = call
-            call = lambda: (store_packed(*rows, cache.view(-1, BLOCK, HKV, cache.shape[-1]), slots, fmt),  # noqa: E731
-                            attend())
+            call = lambda: (store_packed(*rows, cache, slots, fmt), attend())  # noqa: E731
     for _ in range(args.repeat):
         call()
     torch.cuda.synchronize()

@@ -54,9 +54,9 @@ def main() -> None:
                 store()
                 written = cache.clone()
                 default = written if default is None else default
-                same = int((written != default).flatten(2).any(-1).sum())  # slots (token, head) that differ
+                differ = int((written != default).flatten(2).any(-1).sum())  # slots (token, head) that differ
                 us = triton.testing.do_bench_cudagraph(store) * 1e3
-                rows.append((name, tokens, variant, us, same))
+                rows.append((name, tokens, variant, us, differ))
                 print(rows[-1], flush=True)
     print(f"\n{torch.cuda.get_device_name()}: store_packed us per call, {HKV} kv heads of {D}, bf16 rows")
     print("| kv_cache_dtype | tokens | variant (code_block, warps) | us | slots not the default's bytes |")

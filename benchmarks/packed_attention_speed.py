@@ -22,6 +22,7 @@ import itertools
 import os
 import sys
 from collections.abc import Callable
+from types import ModuleType
 
 import torch
 import triton
@@ -53,7 +54,7 @@ def batch(num_keys: int, query_len: int, peak: float, gen: torch.Generator) -> t
 ATTENTION_MODULES = ("truespec.kernels.paged_attention", "truespec.kernels.paged_attention_packed")
 
 
-def import_src_tree(src: str, names: tuple[str, ...] = ATTENTION_MODULES) -> tuple:
+def import_src_tree(src: str, names: tuple[str, ...] = ATTENTION_MODULES) -> tuple[ModuleType, ...]:
     """The modules ``names`` (default: kernels.paged_attention, kernels.paged_attention_packed) of the truespec under
     another checkout's ``src``, imported beside ours: our truespec modules leave sys.modules meanwhile and come back
     after, so each side's functions keep reading their own modules (kv_tiles.py included)."""

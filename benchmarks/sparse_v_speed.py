@@ -69,10 +69,15 @@ def main() -> None:
     rows = []
     for dtype in args.kv_cache_dtypes:
         for context in args.contexts:
+            # several windows: one step prefills them all (no decode beside a prompt chunk), the next decodes them
+            batched = {"max_num_batched_tokens": args.batch_size * context} if args.batch_size > 1 else {}
             llm = LLM(dtype="bfloat16", device="cuda", kv_cache_dtype=dtype, max_model_len=context + 2,
-                      max_num_seqs=args.batch_size, enforce_eager=True, enable_prefix_caching=False)
+                      max_num_seqs=args.batch_size, enforce_eager=True, enable_prefix_caching=False, **batched)
             windows = ppl_windows(llm.get_tokenizer(), texts, context, max_windows=args.batch_size)
-            calls = record_decode_calls(llm, windows[:args.batch_size])
+            if len(windows) < args.batch_size:
+                raise ValueError(f"the held-out text has {len(windows)} windows of {context} tokens, not "
+                                 f"--batch-size {args.batch_size}")
+            calls = record_decode_calls(llm, windows)
             off_us, off = replay(calls, None)
             on_us, on = replay(calls, args.threshold)
             diff = max(float((a.float() - b.float()).abs().max()) for a, b in zip(off, on, strict=True))

@@ -104,8 +104,9 @@ compile_kernel(prefill._prefill_attention_kernel, dict(prefill_layout, KEY_ENC=p
                VALUE_BITS=4, VALUE_CODE_BYTES=packed_size(D, 4), FP16_ALIGNED=True),
                dict(prefill_types, kv_cache_ptr="*u8", q_ptr="*fp32"))
 hadamard = importlib.import_module("truespec.kernels.hadamard")  # q rotated once per step, rows from bf16
-compile_kernel(hadamard._rotate_rows_kernel, dict(D=D, BLOCK_R=hadamard.BLOCK_ROWS, COMPUTE_DTYPE=tl.float32),
-               dict(x_ptr="*bf16", out_ptr="*fp32", h00_ptr="*fp32"))
+for x_type in ("*bf16", "*fp32"):  # a 16-bit model's q, an fp32 model's
+    compile_kernel(hadamard._rotate_rows_kernel, dict(D=D, BLOCK_R=hadamard.BLOCK_ROWS, COMPUTE_DTYPE=tl.float32),
+                   dict(x_ptr=x_type, out_ptr="*fp32", h00_ptr="*fp32"))
 spec = importlib.import_module("truespec.kernels.spec_step")  # a queued step's updates, a drafting chain's metadata
 for fn, constexprs in ((spec._move_positions_kernel, {}), (spec._greedy_accepted_kernel, {}),
                        (spec._chain_metadata_kernel, dict(K=8, BLOCK_R=128, BLOCK_T=1024))):  # 64 requests, k 8

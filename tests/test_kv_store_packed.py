@@ -103,8 +103,8 @@ def padded_slots(num_tokens: int, num_slots: int, seed: int) -> torch.Tensor:
 @pytest.mark.parametrize("name", PACKED)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 def test_store_equals_reference_encode(name: str, dtype: torch.dtype) -> None:
-    """Random normal K/V, 3 seeds, head dims 16 and 32 (one chunk of codes; 24 too, padded lanes, where nothing is
-    rotated), a slot mapping shorter than k / v with padding rows: every byte equal, no code or scale differs."""
+    """Random normal K/V, 3 seeds, head dims 16 and 32 (one chunk of value codes; 24 too, padded lanes, where nothing
+    is rotated), a slot mapping shorter than k / v with padding rows: every byte equal, no code or scale differs."""
     fmt = FORMATS[name]
     for seed, head_dim in [(0, 16), (1, 32), (2, 32)] + ([] if fmt.is_rotated else [(3, 24)]):
         k, v = random_rows(14, 2, head_dim, dtype, seed)
@@ -130,7 +130,7 @@ def test_store_without_norm_correction_stores_the_norm() -> None:
 
 @pytest.mark.parametrize("name", ["turboquant_4bit_nc", "turboquant_3bit_nc"])
 def test_store_codes_equal_on_more_seeds(name: str) -> None:
-    """64-dim keys (two chunks of 32 codes), 5 more seeds: 0 differing codes."""
+    """64-dim keys (8 groups of 8 codes; values in two chunks of 32), 5 more seeds: 0 differing codes."""
     fmt = FORMATS[name]
     for seed in range(10, 15):
         k, v = random_rows(16, 2, 64, torch.float32, seed)
@@ -164,17 +164,18 @@ def test_store_rounding_corner_cases(name: str) -> None:
     assert torch.equal(ours, ref)
 
 
-@pytest.mark.parametrize("name", ["turboquant_4bit_nc", "turboquant_3bit_nc"])
-@pytest.mark.parametrize("head_dim", [4, 64])
+@pytest.mark.parametrize("name, head_dim", [("turboquant_4bit_nc", 64), ("turboquant_3bit_nc", 64),
+                                            ("turboquant_3bit_nc", 4), ("turboquant_k8v4", 24)])
 def test_store_launch_knobs_keep_the_bytes(name: str, head_dim: int) -> None:
-    """Every ``code_block`` (8 .. D) and 1 or 4 warps write the default's bytes, which are the reference's; head dim 4
-    packs its keys' codes without whole 8-code groups (``_store_all_codes``' other path)."""
+    """``code_block`` (the value codes rounded and packed at a time: 8, 16, 64; at head dim 24 the last chunk's lanes
+    past the head masked) and 1 or 4 warps write the default's bytes, which are the reference's; head dim 4 (its
+    knobs all one chunk) packs its keys' codes without whole 8-code groups (``_store_all_codes``' other path)."""
     fmt = FORMATS[name]
     k, v = random_rows(10, 2, head_dim, torch.float32, seed=7)
     slot_mapping = padded_slots(9, 4 * 8, seed=7)
     ours, ref = store_both(fmt, k, v, slot_mapping, num_blocks=4, block_size=8)
     assert torch.equal(ours, ref)
-    for code_block, num_warps in [(8, 4), (64, 1), (64, 4)]:
+    for code_block, num_warps in [(8, 4), (16, 4), (64, 1), (64, 4)]:
         other = torch.full_like(ours, SENTINEL)
         store_packed(k, v, other, slot_mapping, fmt, code_block=code_block, num_warps=num_warps)
         assert torch.equal(other, ours), (code_block, num_warps)

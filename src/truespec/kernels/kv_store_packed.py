@@ -11,11 +11,11 @@ nothing for a padding row (slot -1). Every step follows the reference's order an
 - Lloyd-Max keys: ``norm = sqrt(sum x^2)``, ``unit = x / max(norm, tiny)``, ``rot = unit @ H`` (the normalised
   Hadamard matrix) by the fast Walsh-Hadamard transform in the compute dtype (kernels/hadamard.py: D log D additions
   where the [D, D] product it replaced took D^2 multiply-adds, 5x slower a call, BENCHMARKS.md session 31), each
-  coordinate's
-  code = the number of float32 decision boundaries strictly below it (``codebook_codes``: a tie goes to the lower
-  code), codes bit-packed little-endian; then the fp16 scale: ||k|| / ||c|| with norm correction (||c||^2 summed
-  in float64, exact in any order, then divided and rounded as the reference does), else ||k||. Division and square
-  root are IEEE-rounded (``div_rn`` / ``sqrt_rn``: compiled Triton's ``/`` and ``sqrt`` are approximate in fp32).
+  coordinate's code = the number of float32 decision boundaries strictly below it (``codebook_codes``: a tie goes
+  to the lower code), all codes bit-packed little-endian at once (8 codes a group of whole bytes); then the fp16
+  scale: ||k|| / ||c|| with norm correction (||c||^2 summed in float64, exact in any order, then divided and rounded
+  as the reference does), else ||k||. Division and square root are IEEE-rounded (``div_rn`` / ``sqrt_rn``: compiled
+  Triton's ``/`` and ``sqrt`` are approximate in fp32).
 - Uniform values: ``lo = min``, ``hi = max``, ``scale = fp16((hi - lo) / (2^b - 1))``, ``zero = fp16(lo)``
   (saturating at +-65504; fp64 via fp32, as torch rounds), ``code = round_half_even((v - zero) / scale)`` clamped to
   [0, 2^b - 1] (scale 0 reads as 1), bit-packed; then the fp16 scale and zero.
@@ -213,9 +213,7 @@ def _kv_store_packed_kernel(
         _store_all_codes(slot_ptr, codes, KEY_BITS, KEY_CODE_BYTES)
         if NORM_CORRECTION:
             c = tl.load(centroids_ptr + codes)
-            c_sq = reduce_sum(c * c, 0)
-        if NORM_CORRECTION:
-            # ||c||^2 in float64: exact in any order (ops/kv_quant.py centroid_norms)
+            c_sq = reduce_sum(c * c, 0)  # ||c||^2 in float64: exact in any order (ops/kv_quant.py centroid_norms)
             _store_fp16(slot_ptr + KEY_CODE_BYTES, _to_fp16(norm.to(tl.float64) / tl.sqrt(c_sq), True))
         else:
             _store_fp16(slot_ptr + KEY_CODE_BYTES, _to_fp16(norm, IS_FP64))

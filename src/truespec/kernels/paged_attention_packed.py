@@ -20,8 +20,9 @@ multiply decoded tiles in IEEE fp32, fp64 models in fp64. Softmax runs in fp32 (
 A row's split layout and tiles are functions of its number of keys and the compile-time constants only
 (kernels/split_merge.py ``row_layout``), so a row gives bitwise the same output as a decode, inside a 1+k verify, a
 prefill chunk or any mixed batch (docs/ARCHITECTURE.md invariant 4). Padding rows write zeros. No host reads; grids
-and the workspace come from tensor shapes only; the rotation matrix and centroid table are cached per (head_dim,
-bits, dtype, device), so a first eager call before capture makes the wrapper CUDA-graph capturable. The cache is
+and the workspace come from tensor shapes only; the centroid table (per head_dim, bits, dtype, device) and the
+rotation's H[0, 0] (kernels/hadamard.py ``h00``) are cached, so a first eager call before capture makes the wrapper
+CUDA-graph capturable. The cache is
 written by kernels/kv_store_packed.py (``store_packed``).
 
 fp64 q runs under Triton's interpreter only: compiled, Triton 3.6 cannot lower an fp64 ``tl.dot`` whose operand
